@@ -1,0 +1,158 @@
+"""CPU backend: host-side preparation around the Numba kernels in `cpu_kernels`.
+
+Arguments arrive validated (ops.py) as NumPy arrays. This module turns them
+into what the kernels take: float32 working copies, byte views of the cache,
+decode tables, and the int4 storage-order permutation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import ml_dtypes
+import numpy as np
+
+from .. import formats
+from ..rotation import RotationPlan
+from . import cpu_kernels as kernels
+
+NAME = "cpu"
+
+
+def is_available() -> tuple[bool, str]:
+    return True, "Numba"
+
+
+# --- rotation -------------------------------------------------------------
+
+def _rotate_float32(x32: np.ndarray, plan: RotationPlan, inverse: bool) -> np.ndarray:
+    """Rotate the rows of a float32 [..., d] array; returns float32."""
+    flat = np.ascontiguousarray(x32.reshape(-1, plan.head_size))
+    out = np.empty_like(flat)
+    kernels.rotate_rows(flat, out, plan.sign_vector(), plan.mix_matrix(),
+                        plan.kind == "kron", plan.pow2_size, inverse, float(plan.norm))
+    return out.reshape(x32.shape)
+
+
+def rotate(x: np.ndarray, plan: RotationPlan, inverse: bool = False) -> np.ndarray:
+    if plan.is_identity:
+        return x.copy()
+    return _rotate_float32(x.astype(np.float32), plan, inverse).astype(x.dtype)
+
+
+def rotate_for_cache(x: np.ndarray, plan: RotationPlan | None) -> np.ndarray:
+    """The float32 vectors that get quantized (same rule as reference.rotate_for_cache)."""
+    x32 = x.astype(np.float32)
+    if plan is None or plan.is_identity:
+        return x32
+    rotated = _rotate_float32(x32, plan, inverse=False)
+    if plan.rounds_to_input_dtype and x.dtype != np.float32:
+        rotated = rotated.astype(x.dtype).astype(np.float32)
+    return rotated
+
+
+# --- write path -----------------------------------------------------------
+
+QUANT_KIND = {
+    "int4_per_token_head": kernels.QUANT_INT4,
+    "int8_per_token_head": kernels.QUANT_INT8,
+    "fp8_per_token_head": kernels.QUANT_FP8,
+}
+
+
+def encode(x: np.ndarray, kv_dtype: str, plan: RotationPlan | None, cache_dtype: np.dtype):
+    """[T, Hk, d] model-dtype vectors -> (stored [T, Hk, d_stored], scales [T, Hk] or None)."""
+    rotated = rotate_for_cache(x, plan)
+    if kv_dtype == "auto":
+        return rotated.astype(cache_dtype), None
+    info = formats.kv_dtype_info(kv_dtype)
+    vectors = np.ascontiguousarray(rotated.reshape(-1, rotated.shape[-1]))
+    codes = np.empty((vectors.shape[0], info.stored_head_size(vectors.shape[1])), info.storage)
+    scales = np.empty(vectors.shape[0], np.float32)
+    zero_points = np.zeros(vectors.shape[0], np.uint8)
+    kernels.quantize_vectors(vectors, QUANT_KIND[kv_dtype], codes, scales, zero_points)
+    if kv_dtype == "int4_per_token_head":
+        scales = formats.encode_int4_scale(scales, zero_points)
+    return codes.reshape(x.shape[:-1] + codes.shape[-1:]), scales.reshape(x.shape[:-1])
+
+
+def reshape_and_cache(key: np.ndarray, value: np.ndarray, cache, slot_mapping: np.ndarray) -> None:
+    valid = slot_mapping >= 0
+    blocks, offsets = np.divmod(slot_mapping[valid], cache.block_size)
+    for x, data, scales in ((key, cache.key_cache, cache.k_scale_cache),
+                            (value, cache.value_cache, cache.v_scale_cache)):
+        stored, scale = encode(x[valid], cache.kv_dtype, cache.rotation, data.dtype)
+        data[blocks, offsets] = stored
+        if scales is not None:
+            scales[blocks, offsets] = scale
+
+
+# --- read path ------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _decode_table(kind: str) -> np.ndarray:
+    """float32 value of every code of a table-decoded storage type."""
+    if kind == "fp8":
+        return formats.fp8_decode_table()
+    dtype = np.float16 if kind == "float16" else ml_dtypes.bfloat16
+    return np.arange(65536, dtype=np.uint16).view(dtype).astype(np.float32)
+
+
+_NO_TABLE = np.zeros(1, np.float32)
+_NO_SCALES = np.zeros((1, 1, 1), np.uint32)
+
+
+def _decode_plan(cache) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(decode mode, table, K data view, V data view) the attention kernel reads."""
+    if cache.kv_dtype == "int4_per_token_head":
+        return kernels.DECODE_INT4, _NO_TABLE, cache.key_cache, cache.value_cache
+    if cache.kv_dtype == "fp8_per_token_head":
+        return kernels.DECODE_TABLE, _decode_table("fp8"), cache.key_cache, cache.value_cache
+    if cache.kv_dtype == "int8_per_token_head" or cache.key_cache.dtype == np.float32:
+        return kernels.DECODE_LINEAR, _NO_TABLE, cache.key_cache, cache.value_cache
+    table = _decode_table(cache.key_cache.dtype.name)
+    return kernels.DECODE_TABLE, table, cache.key_cache.view(np.uint16), cache.value_cache.view(np.uint16)
+
+
+def storage_order(kv_dtype: str, head_size: int) -> np.ndarray | None:
+    """Permutation from the model's channel order to the order rows decode in."""
+    if kv_dtype != "int4_per_token_head":
+        return None
+    return np.concatenate([np.arange(0, head_size, 2), np.arange(1, head_size, 2)])
+
+
+def paged_attention(query: np.ndarray, cache, *, block_table, seq_lens, cu_seqlens_q,
+                    softmax_scale: float, sliding_window: int | None, softcap: float,
+                    sinks: np.ndarray | None) -> np.ndarray:
+    """float32 [T, Hq, d] attention output (unrotated, model channel order)."""
+    plan = cache.rotation
+    q = query.astype(np.float32)
+    norm = 1
+    if plan is not None and not plan.is_identity:
+        q = _rotate_float32(q, plan, inverse=False)
+        norm = plan.norm
+    q = q * np.float32(softmax_scale / norm)
+    order = storage_order(cache.kv_dtype, cache.head_size)
+    if order is not None:
+        q = q[..., order]
+    q = np.ascontiguousarray(q)
+
+    mode, table, key_data, value_data = _decode_plan(cache)
+    has_scales = cache.k_scale_cache is not None
+    k_bits = cache.k_scale_cache.view(np.uint32) if has_scales else _NO_SCALES
+    v_bits = cache.v_scale_cache.view(np.uint32) if has_scales else _NO_SCALES
+    token_seq = np.repeat(np.arange(len(seq_lens), dtype=np.int32), np.diff(cu_seqlens_q))
+    has_sinks = sinks is not None
+    sink_logits = sinks.astype(np.float32) if has_sinks else np.zeros(q.shape[1], np.float32)
+
+    out = np.empty_like(q)
+    kernels.paged_attention(q, key_data, value_data, k_bits, v_bits, has_scales, mode, table,
+                            block_table, seq_lens, cu_seqlens_q, token_seq,
+                            int(sliding_window or 0), np.float32(softcap), sink_logits, has_sinks, out)
+    if order is not None:
+        restored = np.empty_like(out)
+        restored[..., order] = out
+        out = restored
+    if plan is not None and not plan.is_identity:
+        out = _rotate_float32(out, plan, inverse=True)
+    return out
