@@ -110,8 +110,10 @@ def allocate_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
                    kv_dtype, plan, head_size)
 
 
-def _check_strides(array: np.ndarray, name: str) -> None:
-    if array.ndim and array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
+def _check_strides(array: np.ndarray, name: str, contiguous_last_axis: bool = True) -> None:
+    """Element strides everywhere; K/V rows also need a contiguous last axis.
+    (Scales are [block, slot, head]: inline in vLLM's rows, their head axis is strided.)"""
+    if contiguous_last_axis and array.ndim and array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
         raise ValueError(f"{name} must have a contiguous last axis (strides {array.strides})")
     if any(s % array.itemsize for s in array.strides):
         raise ValueError(f"{name} has strides {array.strides} that are not whole elements")
@@ -157,7 +159,7 @@ def wrap_cache(key_cache, value_cache, k_scale_cache=None, v_scale_cache=None, *
         if array.dtype != np.float32:
             raise TypeError(f"{name} has dtype {array.dtype}; expected float32")
         _expect_shape(array, keys.shape[:3], name, "[num_blocks, block_size, num_kv_heads]")
-        _check_strides(array, name)
+        _check_strides(array, name, contiguous_last_axis=False)
         scale_arrays.append(scales)
     return KVCache(key_cache, value_cache, scale_arrays[0], scale_arrays[1], kv_dtype, plan, head_size)
 

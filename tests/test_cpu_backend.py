@@ -1,0 +1,218 @@
+"""The CPU (Numba) backend against the float64 oracle, on the same quantized cache.
+
+Cache bytes must be identical. The one allowed difference: a rotated value
+computed in another summation order can land on the other side of a float32
+rounding tie, moving a code by one in at most 0.1% of values (counted here).
+Attention must agree within 1e-5 relative: the backend accumulates in float32
+(dot products of <= 256 terms, softmax sums of <= a few hundred terms), whose
+rounding error is a few 2^-24 times sqrt(terms), far below 1e-5.
+"""
+
+from dataclasses import replace
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kvcupy as kc
+from kvcupy import reference
+from kvcupy.rotation import kron_factors
+
+from .helpers import BLOCK_SIZES, HEAD_SIZES, KV_DTYPES, paged_batch, relative_error
+
+INPUT_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+ROTATIONS = ("blockdiag", "vllm", "kron", "none")
+ATTENTION_RTOL = 1e-5
+MAX_TIE_FRACTION = 1e-3
+
+
+def make_plan(head_size, rotation):
+    if rotation == "vllm":
+        return kc.rotation_plan(head_size, "blockdiag", preset="vllm")
+    return kc.rotation_plan(head_size, rotation)
+
+
+def fresh_cache(batch, block_size, num_kv_heads, head_size, kv_dtype, plan, dtype="float16"):
+    return kc.allocate_cache(batch.num_blocks, block_size, num_kv_heads, head_size,
+                             kv_dtype=kv_dtype, rotation=plan, dtype=dtype)
+
+
+def oracle_copy(cache):
+    """An empty cache of the same geometry, written only by the oracle."""
+    zeros = lambda t: None if t is None else np.zeros_like(t)
+    return replace(cache, key_cache=zeros(cache.key_cache), value_cache=zeros(cache.value_cache),
+                   k_scale_cache=zeros(cache.k_scale_cache), v_scale_cache=zeros(cache.v_scale_cache))
+
+
+def codes_of(cache_tensor, kv_dtype):
+    if kv_dtype == "int4_per_token_head":
+        return reference.unpack_int4(cache_tensor).astype(np.int64)
+    if kv_dtype == "auto":
+        return cache_tensor.view(np.uint16 if cache_tensor.itemsize == 2 else np.uint32).astype(np.int64)
+    return cache_tensor.view(np.uint8 if kv_dtype == "fp8_per_token_head" else np.int8).astype(np.int64)
+
+
+def assert_same_cache(actual, expected, case):
+    for name in ("key_cache", "value_cache"):
+        a = codes_of(getattr(actual, name), actual.kv_dtype)
+        e = codes_of(getattr(expected, name), expected.kv_dtype)
+        differ = a != e
+        assert np.abs(a - e).max(initial=0) <= 1, f"{case}: {name} codes differ by more than 1"
+        assert differ.mean() <= MAX_TIE_FRACTION, f"{case}: {name} {differ.sum()} codes at ties"
+    for name in ("k_scale_cache", "v_scale_cache"):
+        a, e = getattr(actual, name), getattr(expected, name)
+        if a is None:
+            continue
+        ulps = np.abs(a.view(np.int32).astype(np.int64) - e.view(np.int32))
+        assert (ulps > 0).mean() <= MAX_TIE_FRACTION and ulps.max() <= 16, f"{case}: {name}"
+
+
+WRITE_CASES = [(kv_dtype, d, rotation) for kv_dtype in KV_DTYPES for d in HEAD_SIZES
+               for rotation in ROTATIONS if rotation != "kron" or kron_factors(d)]
+
+
+@pytest.mark.parametrize("input_dtype", INPUT_DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("kv_dtype,head_size,rotation", WRITE_CASES)
+def test_cache_bytes_match_oracle(kv_dtype, head_size, rotation, block_size, input_dtype):
+    plan = make_plan(head_size, rotation)
+    rng = np.random.default_rng(head_size * 7 + block_size)
+    batch = paged_batch(rng, [block_size + 5, 2 * block_size + 1], [1, 1], block_size)
+    num_kv_heads = 2
+    shape = (batch.num_tokens, num_kv_heads, head_size)
+    key = (rng.standard_normal(shape) * 3).astype(INPUT_DTYPES[input_dtype])
+    value = rng.standard_normal(shape).astype(INPUT_DTYPES[input_dtype])
+    slots = batch.slot_mapping.copy()
+    slots[::7] = -1                               # padding tokens are skipped
+
+    cache = fresh_cache(batch, block_size, num_kv_heads, head_size, kv_dtype, plan, input_dtype)
+    expected = oracle_copy(cache)
+    kc.reshape_and_cache(key, value, cache, slots)
+    reference.reshape_and_cache(key, value, expected, slots)
+    assert_same_cache(cache, expected, f"{kv_dtype} d={head_size} B={block_size} {input_dtype} {rotation}")
+
+
+FEATURES = {
+    "plain": {},
+    "sliding_window": {"sliding_window": 9},
+    "softcap": {"softcap": 4.0},
+    "sinks": {"sinks": "random"},
+    "all": {"sliding_window": 20, "softcap": 30.0, "sinks": "random"},
+}
+
+
+def run_attention_case(kv_dtype, head_size, block_size, features, plan, seed=0,
+                       num_heads=8, num_kv_heads=2, query_dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    # Decode, a prefill with history, and a fresh prefill, in one varlen batch.
+    batch = paged_batch(rng, [3 * block_size + 3, 41, 17], [1, 6, 17], block_size)
+    cache = fresh_cache(batch, block_size, num_kv_heads, head_size, kv_dtype, plan)
+    kv_shape = (batch.num_tokens, num_kv_heads, head_size)
+    key = (rng.standard_normal(kv_shape) * 2).astype(np.float16)
+    value = rng.standard_normal(kv_shape).astype(np.float16)
+    kc.reshape_and_cache(key, value, cache, batch.slot_mapping)
+    query = rng.standard_normal((batch.num_queries, num_heads, head_size)).astype(query_dtype)
+    kwargs = dict(features)
+    if kwargs.get("sinks") == "random":
+        kwargs["sinks"] = rng.standard_normal(num_heads).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens,
+                cu_seqlens_q=batch.cu_seqlens_q, **kwargs)
+    return kc.paged_attention(query, cache, **args), reference.paged_attention(query, cache, **args)
+
+
+@pytest.mark.parametrize("features", FEATURES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_attention_matches_oracle(kv_dtype, head_size, block_size, features):
+    plan = kc.rotation_plan(head_size, "blockdiag" if kv_dtype != "auto" else "none")
+    out, expected = run_attention_case(kv_dtype, head_size, block_size, FEATURES[features], plan,
+                                       seed=head_size + block_size)
+    assert out.dtype == np.float32 and out.shape == expected.shape
+    error = relative_error(out, expected)
+    assert error <= ATTENTION_RTOL, f"{kv_dtype} d={head_size} B={block_size} {features}: {error:.2e}"
+
+
+@pytest.mark.parametrize("rotation", ["kron", "vllm", "none"])
+@pytest.mark.parametrize("head_size", [80, 96, 128])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_attention_other_rotations(kv_dtype, head_size, rotation):
+    out, expected = run_attention_case(kv_dtype, head_size, 16, FEATURES["all"],
+                                       make_plan(head_size, rotation), seed=3)
+    assert relative_error(out, expected) <= ATTENTION_RTOL, f"{kv_dtype} d={head_size} {rotation}"
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 1), (12, 3)])
+def test_attention_gqa_and_mqa(num_heads, num_kv_heads):
+    out, expected = run_attention_case("int4_per_token_head", 96, 16, FEATURES["plain"],
+                                       kc.rotation_plan(96), num_heads=num_heads,
+                                       num_kv_heads=num_kv_heads)
+    assert relative_error(out, expected) <= ATTENTION_RTOL
+
+
+@pytest.mark.parametrize("query_dtype", [np.float16, ml_dtypes.bfloat16])
+def test_attention_output_in_query_dtype(query_dtype):
+    out, expected = run_attention_case("int8_per_token_head", 128, 16, FEATURES["plain"],
+                                       kc.rotation_plan(128), query_dtype=query_dtype)
+    assert out.dtype == np.dtype(query_dtype)
+    # The float32 result is rounded once to the query dtype: half an ulp of it.
+    eps = float(ml_dtypes.finfo(query_dtype).eps)
+    assert relative_error(out, expected) <= eps / 2 + ATTENTION_RTOL
+
+
+def test_softmax_scale_is_applied():
+    plan = kc.rotation_plan(64)
+    out, expected = run_attention_case("fp8_per_token_head", 64, 16, {"softmax_scale": 0.7}, plan)
+    assert relative_error(out, expected) <= ATTENTION_RTOL
+
+
+def test_out_argument_is_written_in_place():
+    rng = np.random.default_rng(5)
+    batch = paged_batch(rng, [20], [1], 16)
+    cache = fresh_cache(batch, 16, 2, 64, "int4_per_token_head", None)
+    kv = rng.standard_normal((20, 2, 64)).astype(np.float32)
+    kc.reshape_and_cache(kv, kv, cache, batch.slot_mapping)
+    query = rng.standard_normal((1, 4, 64)).astype(np.float32)
+    out = np.zeros_like(query)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens)
+    result = kc.paged_attention(query, cache, out=out, **args)
+    assert result is out
+    np.testing.assert_array_equal(out, kc.paged_attention(query, cache, **args))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "int8_per_token_head", "fp8_per_token_head"])
+def test_vllm_inline_scale_layout(kv_dtype):
+    """vLLM keeps the float32 scale in padding at the end of each head row and
+    hands kernels strided views; the same bytes and attention must come out."""
+    head_size, block_size, num_kv_heads = 96, 16, 2
+    rng = np.random.default_rng(11)
+    batch = paged_batch(rng, [40, 7], [3, 7], block_size)
+    plan = kc.rotation_plan(head_size, preset="vllm")
+    separate = fresh_cache(batch, block_size, num_kv_heads, head_size, kv_dtype, plan)
+    stored = separate.key_cache.shape[-1] * separate.key_cache.itemsize
+    # [num_blocks, 2 (K, V), block_size, Hk, stored bytes + 4 bytes of scale + pad to 16]
+    row_bytes = -(-(stored + 4) // 16) * 16
+    buffer = np.zeros((batch.num_blocks, 2, block_size, num_kv_heads, row_bytes), np.uint8)
+    storage = separate.key_cache.dtype
+
+    def views(kv):
+        data = buffer[:, kv, ..., :stored].view(storage)
+        scales = buffer[:, kv, ..., stored:stored + 4].view(np.float32)[..., 0]
+        return data, scales
+
+    (key_data, k_scales), (value_data, v_scales) = views(0), views(1)
+    inline = kc.wrap_cache(key_data, value_data, k_scales, v_scales, kv_dtype=kv_dtype, rotation=plan)
+    key = rng.standard_normal((batch.num_tokens, num_kv_heads, head_size)).astype(ml_dtypes.bfloat16)
+    value = rng.standard_normal(key.shape).astype(ml_dtypes.bfloat16)
+    for cache in (separate, inline):
+        kc.reshape_and_cache(key, value, cache, batch.slot_mapping)
+    for name in ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"):
+        np.testing.assert_array_equal(getattr(inline, name), getattr(separate, name), err_msg=name)
+
+    query = rng.standard_normal((batch.num_queries, 6, head_size)).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    # Strided and contiguous views compile to differently vectorised loops: the
+    # same arithmetic summed in another order, so equal only to float32 rounding.
+    out_inline = kc.paged_attention(query, inline, **args)
+    assert relative_error(out_inline, kc.paged_attention(query, separate, **args)) <= 1e-6
+    assert relative_error(out_inline, reference.paged_attention(query, inline, **args)) <= ATTENTION_RTOL
