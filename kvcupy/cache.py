@@ -1,9 +1,318 @@
-"""PagedKVCache: placeholder replaced by the manager implementation."""
+"""PagedKVCache: hands out the pages of a multi-layer paged KV cache.
+
+All layers share one page numbering, so one block table per sequence serves
+every layer: page `p` of a sequence holds its positions `i*B .. i*B+B-1` in
+every layer's cache. Pages carry reference counts: `fork` shares all of a
+sequence's pages, and a shared page is copied the first time one of its
+sequences appends into it (copy-on-write). Only a partly filled last page can
+ever need the copy, because tokens are only ever appended.
+
+Sequence ids are any hashable values (ints when the manager picks them). An id
+the manager does not hold raises KeyError naming it; every other bad argument
+raises TypeError / ValueError, as ops.py's do, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+from collections import Counter
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import formats, ops
+from .kvcache import KVCache
+from .rotation import RotationPlan
 
 
 class CacheFullError(RuntimeError):
     """The cache has no free page for the tokens asked for; nothing was changed."""
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    """Page and byte accounting of a PagedKVCache.
+
+    bytes: the allocated cache tensors of all layers (data and scales);
+    bytes_per_token: what one token costs across all layers, K and V, scales included.
+    """
+
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    sequences: int
+    tokens: int
+    bytes: int
+    bytes_per_token: int
+
+
+def _count(value, name: str, minimum: int = 0) -> int:
+    """An int >= minimum (a token count, by default)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return int(value)
+
+
+def _index(value, name: str, size: int) -> int:
+    """An int in 0..size-1 (a layer or page number)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if not 0 <= value < size:
+        raise ValueError(f"{name}={value} is out of range; expected 0..{size - 1}")
+    return int(value)
+
+
+def _counts(value, name: str, num_seqs: int) -> list[int]:
+    """One count per sequence, from an int (the same for all) or a sequence of ints."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return [_count(value, name)] * num_seqs
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise TypeError(f"{name}={value!r} must be an int or one int per sequence")
+    if len(value) != num_seqs:
+        raise ValueError(f"{name} has {len(value)} entries; expected one per sequence ({num_seqs})")
+    return [_count(v, f"{name}[{i}]") for i, v in enumerate(value)]
+
+
 class PagedKVCache:
-    pass
+    """Pages, block tables and slot mappings of a `num_layers`-layer paged KV cache.
+
+    `layers[i]` is layer i's KVCache (kvcupy.allocate_cache); `rotation` is the
+    plan every layer shares. A step of a serving loop reads:
+
+        slot_mapping = mgr.reserve(seq_ids, num_new_tokens)
+        for layer in range(num_layers):
+            mgr.write(layer, key, value, slot_mapping)
+            out = mgr.attention(layer, query, seq_ids, query_lens=num_new_tokens)
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_size: int, kv_dtype: str = "int4_per_token_head", device: str = "cpu",
+                 rotation: RotationPlan | None = None, dtype="float16"):
+        num_layers = _count(num_layers, "num_layers", minimum=1)
+        first = ops.allocate_cache(num_blocks, block_size, num_kv_heads, head_size, kv_dtype,
+                                   rotation, device, dtype)
+        # Every layer gets the plan the first one resolved, so "None" (the KV
+        # dtype's default) means one and the same rotation everywhere.
+        self.layers: list[KVCache] = [first] + [
+            ops.allocate_cache(num_blocks, block_size, num_kv_heads, head_size, kv_dtype,
+                               first.rotation, device, dtype)
+            for _ in range(num_layers - 1)]
+        self.rotation: RotationPlan = first.rotation
+        self.num_blocks = first.num_blocks
+        self.block_size = first.block_size
+        self._bytes_per_token = num_layers * formats.kv_dtype_info(kv_dtype).bytes_per_token(
+            num_kv_heads, head_size, formats.model_dtype(dtype))
+        # Popped from the end: pages go out in increasing order while none was freed.
+        self._free_pages: list[int] = list(range(self.num_blocks - 1, -1, -1))
+        self._ref_counts = [0] * self.num_blocks
+        self._block_tables: dict[Hashable, list[int]] = {}
+        self._seq_lens: dict[Hashable, int] = {}
+        self._auto_ids = itertools.count()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    # --- sequences ----------------------------------------------------------
+
+    @property
+    def sequences(self) -> tuple:
+        """Ids of the live sequences, in the order they were added."""
+        return tuple(self._seq_lens)
+
+    def seq_len(self, seq_id) -> int:
+        """Tokens reserved for the sequence so far."""
+        return self._seq_lens[self._known(seq_id)]
+
+    def block_table(self, seq_id) -> tuple[int, ...]:
+        """The sequence's pages, in logical order."""
+        return tuple(self._block_tables[self._known(seq_id)])
+
+    def ref_count(self, page: int) -> int:
+        """How many live sequences hold page `page` (0: it is free)."""
+        return self._ref_counts[_index(page, "page", self.num_blocks)]
+
+    def add_sequence(self, seq_id=None):
+        """Start an empty sequence; returns its id (a fresh int when seq_id is None)."""
+        if seq_id is None:
+            seq_id = next(i for i in self._auto_ids if i not in self._seq_lens)
+        self._check_new_id(seq_id)
+        self._block_tables[seq_id] = []
+        self._seq_lens[seq_id] = 0
+        return seq_id
+
+    def fork(self, seq_id, new_seq_id=None):
+        """A new sequence with the same tokens, sharing all of `seq_id`'s pages."""
+        pages = self.block_table(seq_id)
+        new_seq_id = self.add_sequence(new_seq_id)
+        self._block_tables[new_seq_id] = list(pages)
+        self._seq_lens[new_seq_id] = self._seq_lens[seq_id]
+        for page in pages:
+            self._ref_counts[page] += 1
+        return new_seq_id
+
+    def free(self, seq_id) -> None:
+        """End the sequence; pages no other sequence holds become free."""
+        for page in self._block_tables.pop(self._known(seq_id)):
+            self._release(page)
+        del self._seq_lens[seq_id]
+
+    # --- pages --------------------------------------------------------------
+
+    def reserve(self, seq_ids, num_new_tokens) -> np.ndarray:
+        """Make room for each sequence's next tokens; returns their int64 slot_mapping.
+
+        num_new_tokens is an int (the same for every sequence) or one int per
+        sequence. The slots of each sequence's new tokens follow one another in
+        seq_ids order, ready for `write`. All or nothing: when the free pages do
+        not cover every sequence (copy-on-write copies included), raises
+        CacheFullError and changes nothing. The lengths advance at once: write
+        the tokens before the next `attention` over these sequences.
+        """
+        seq_ids = self._distinct_known(seq_ids)
+        counts = _counts(num_new_tokens, "num_new_tokens", len(seq_ids))
+        needed = self._pages_needed(seq_ids, counts)
+        if needed > len(self._free_pages):
+            raise CacheFullError(
+                f"reserving {sum(counts)} tokens for {len(seq_ids)} sequence(s) needs {needed} "
+                f"free pages; {len(self._free_pages)} of {self.num_blocks} are free")
+        slots = [self._append(seq_id, count) for seq_id, count in zip(seq_ids, counts)]
+        return np.concatenate(slots) if slots else np.zeros(0, np.int64)
+
+    def _pages_needed(self, seq_ids: list, counts: list[int]) -> int:
+        """New pages for the appends, plus one per copy-on-write copy they force."""
+        new_pages = 0
+        appends_into = Counter()   # shared partly filled page -> sequences appending to it
+        for seq_id, count in zip(seq_ids, counts):
+            new_len = self._seq_lens[seq_id] + count
+            new_pages += self._pages_for(new_len) - len(self._block_tables[seq_id])
+            page = self._shared_last_page(seq_id) if count else None
+            if page is not None:
+                appends_into[page] += 1
+        # When every holder of a page appends to it, the last one keeps it uncopied.
+        copies = sum(min(n, self._ref_counts[page] - 1) for page, n in appends_into.items())
+        return new_pages + copies
+
+    def _append(self, seq_id, count: int) -> np.ndarray:
+        """Grow one sequence by `count` tokens (pages known to be free); their slots."""
+        if count and self._shared_last_page(seq_id) is not None:
+            self._copy_last_page(seq_id)
+        start = self._seq_lens[seq_id]
+        table = self._block_tables[seq_id]
+        while len(table) < self._pages_for(start + count):
+            table.append(self._take_page())
+        self._seq_lens[seq_id] = start + count
+        positions = np.arange(start, start + count)
+        pages = np.asarray(table, np.int64)[positions // self.block_size]
+        return pages * self.block_size + positions % self.block_size
+
+    def _shared_last_page(self, seq_id) -> int | None:
+        """The sequence's last page if it is partly filled and held by another sequence too."""
+        table = self._block_tables[seq_id]
+        if self._seq_lens[seq_id] % self.block_size == 0 or self._ref_counts[table[-1]] == 1:
+            return None
+        return table[-1]
+
+    def _copy_last_page(self, seq_id) -> None:
+        """Give the sequence a private copy of its last page, in every layer."""
+        table = self._block_tables[seq_id]
+        shared, private = table[-1], self._take_page()
+        for layer in self.layers:
+            for tensor in layer.tensors():
+                tensor[private] = tensor[shared]
+        table[-1] = private
+        self._release(shared)
+
+    def _take_page(self) -> int:
+        page = self._free_pages.pop()
+        self._ref_counts[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        self._ref_counts[page] -= 1
+        if self._ref_counts[page] == 0:
+            self._free_pages.append(page)
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- kernels ------------------------------------------------------------
+
+    def write(self, layer: int, key, value, slot_mapping) -> None:
+        """Quantize key/value [T, Hk, d] into layer `layer` at `slot_mapping` (from reserve)."""
+        ops.reshape_and_cache(key, value, self.layers[_index(layer, "layer", self.num_layers)],
+                              slot_mapping)
+
+    def attention(self, layer: int, query, seq_ids, *, query_lens=None,
+                  softmax_scale: float | None = None, sliding_window: int | None = None,
+                  softcap: float = 0.0, sinks=None, out=None):
+        """kvcupy.paged_attention of the sequences' newest tokens over layer `layer`.
+
+        query [T, Hq, d] holds query_lens[i] tokens of seq_ids[i], back to back:
+        the last query_lens[i] positions of that sequence (None: one each, decode).
+        """
+        cache = self.layers[_index(layer, "layer", self.num_layers)]
+        seq_ids = self._distinct_known(seq_ids)
+        query_lens = _counts(1 if query_lens is None else query_lens, "query_lens", len(seq_ids))
+        for seq_id, query_len in zip(seq_ids, query_lens):
+            if query_len > self._seq_lens[seq_id]:
+                raise ValueError(f"query_lens asks {query_len} query tokens of sequence "
+                                 f"{seq_id!r}, which has {self._seq_lens[seq_id]} tokens")
+        cu_seqlens_q = np.concatenate([[0], np.cumsum(query_lens, dtype=np.int64)]).astype(np.int32)
+        seq_lens = np.array([self._seq_lens[s] for s in seq_ids], np.int32)
+        return ops.paged_attention(query, cache, block_table=self._batch_block_table(seq_ids),
+                                   seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
+                                   softmax_scale=softmax_scale, sliding_window=sliding_window,
+                                   softcap=softcap, sinks=sinks, out=out)
+
+    def _batch_block_table(self, seq_ids: list) -> np.ndarray:
+        """[S, max pages] int32. Unused entries hold page 0, a real page, so a
+        kernel that loads a table entry past a sequence's end still reads inside
+        the cache (it never uses what it reads there)."""
+        width = max([len(self._block_tables[s]) for s in seq_ids], default=0)
+        table = np.zeros((len(seq_ids), max(width, 1)), np.int32)
+        for row, seq_id in enumerate(seq_ids):
+            pages = self._block_tables[seq_id]
+            table[row, :len(pages)] = pages
+        return table
+
+    # --- accounting ---------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        pages_free = len(self._free_pages)
+        return CacheStats(
+            pages_total=self.num_blocks,
+            pages_used=self.num_blocks - pages_free,
+            pages_free=pages_free,
+            sequences=len(self._seq_lens),
+            tokens=sum(self._seq_lens.values()),
+            bytes=sum(int(t.nbytes) for layer in self.layers for t in layer.tensors()),
+            bytes_per_token=self._bytes_per_token,
+        )
+
+    # --- argument checks ----------------------------------------------------
+
+    def _known(self, seq_id):
+        if not isinstance(seq_id, Hashable) or seq_id not in self._seq_lens:
+            raise KeyError(f"seq_id={seq_id!r} is not a live sequence of this cache")
+        return seq_id
+
+    def _check_new_id(self, seq_id) -> None:
+        if not isinstance(seq_id, Hashable):
+            raise TypeError(f"seq_id={seq_id!r} must be hashable (an int or a str, say)")
+        if seq_id in self._seq_lens:
+            raise ValueError(f"seq_id={seq_id!r} is already a live sequence")
+
+    def _distinct_known(self, seq_ids) -> list:
+        """seq_ids as a list of live ids, each at most once."""
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+            raise TypeError(f"seq_ids={seq_ids!r} must be a list of sequence ids")
+        seq_ids = [self._known(s) for s in seq_ids]
+        if len(set(seq_ids)) != len(seq_ids):
+            repeated = next(s for s, n in Counter(seq_ids).items() if n > 1)
+            raise ValueError(f"seq_ids lists sequence {repeated!r} more than once")
+        return seq_ids
