@@ -169,7 +169,7 @@ def attend(query: np.ndarray, keys: np.ndarray, values: np.ndarray, *, softmax_s
     keys = np.repeat(keys, group, axis=1)       # query head h reads KV head h // group
     values = np.repeat(values, group, axis=1)
 
-    scores = softmax_scale * np.einsum("qhd,khd->hqk", query, keys)
+    scores = softmax_scale * np.einsum("qhd,khd->hqk", query, keys, optimize=True)
     if softcap:
         scores = softcap * np.tanh(scores / softcap)
     query_pos = seq_len - num_queries + np.arange(num_queries)[:, None]
@@ -188,7 +188,7 @@ def attend(query: np.ndarray, keys: np.ndarray, values: np.ndarray, *, softmax_s
     if sinks is not None:
         denominator = denominator + np.exp(sink - peak)   # the sink adds mass, no value
     probs = weights / denominator
-    return np.einsum("hqk,khd->qhd", probs, values)
+    return np.einsum("hqk,khd->qhd", probs, values, optimize=True)
 
 
 def paged_attention(query, cache, *, block_table, seq_lens, cu_seqlens_q=None,

@@ -1,0 +1,1 @@
+"""The `kvcupy` command: `repro`, `bench` and `info` (typer app in cli.app)."""

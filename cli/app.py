@@ -1,0 +1,137 @@
+"""The `kvcupy` command line: parse options, run a command's module, print its report.
+
+Reports go to stdout, as rich tables or, with --json, as one JSON object and
+nothing else; progress bars go to stderr. Exit status: 0 when every check
+passed, 1 when a check failed, 2 for a usage error (including a backend that
+cannot run here).
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Callable
+
+import typer
+from rich.console import Console, RenderableType
+
+import kvcupy
+
+from . import bench as bench_module
+from . import render
+from .backends import BackendUnavailable, resolve_backend
+from .info import collect_info
+from .repro import ALL_KV_DTYPES, ReproConfig, run_repro, total_steps
+
+app = typer.Typer(help="kvcupy: quantized (INT4 / INT8 / FP8) paged KV caches for LLM inference.",
+                  no_args_is_help=True, add_completion=False)
+
+
+class Backend(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    rocm = "rocm"
+
+
+class Rotation(str, Enum):
+    blockdiag = "blockdiag"
+    kron = "kron"
+    none = "none"
+
+
+class KvDtype(str, Enum):
+    all = "all"
+    int4_per_token_head = "int4_per_token_head"
+    int8_per_token_head = "int8_per_token_head"
+    fp8_per_token_head = "fp8_per_token_head"
+    auto = "auto"
+
+
+class Phase(str, Enum):
+    all = "all"
+    decode = "decode"
+    prefill = "prefill"
+
+
+BACKEND_HELP = "auto: a GPU backend when one is usable, else cpu. `kvcupy info` lists what is usable here."
+JSON_HELP = "Print one JSON object on stdout instead of tables."
+
+
+def _device(backend: Backend) -> str:
+    try:
+        return resolve_backend(backend.value)
+    except BackendUnavailable as error:
+        raise typer.BadParameter(str(error), param_hint="'--backend'") from None
+
+
+def _kv_dtypes(kv_dtype: KvDtype, all_kv_dtypes: tuple[str, ...]) -> tuple[str, ...]:
+    return all_kv_dtypes if kv_dtype is KvDtype.all else (kv_dtype.value,)
+
+
+def _print_report(report: dict, as_json: bool, render_report: Callable[[dict], RenderableType]) -> None:
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        Console().print(render_report(report))
+
+
+@app.command()
+def repro(
+    head_size: int = typer.Option(96, help="Head size d (even, 32..256); 96 is Phi-3-mini's."),
+    kv_dtype: KvDtype = typer.Option(KvDtype.all, help="KV dtype to check; all: int4, int8 and fp8 "
+                                     "(auto, unquantized float16, only when named)."),
+    rotation: Rotation = typer.Option(Rotation.blockdiag, help="Rotation applied before quantizing."),
+    backend: Backend = typer.Option(Backend.auto, help=BACKEND_HELP),
+    prompt_len: int = typer.Option(512, min=1, help="Prompt tokens (one prefill call)."),
+    decode_steps: int = typer.Option(32, min=0, help="Decode steps after the prompt, one token each."),
+    seed: int = typer.Option(0, help="Seed of the synthetic Q/K/V."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Run a Phi-3-mini-like attention layer (32/32 heads, block size 16) through PagedKVCache
+    on synthetic K with outlier channels, and check the rotation, the attention error of each
+    KV dtype against float64, and the implementation against the oracle on the same cache.
+    Exit status 0 only if every check passes."""
+    device = _device(backend)
+    try:
+        plan = kvcupy.rotation_plan(head_size, rotation.value)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="'--head-size' / '--rotation'") from None
+    config = ReproConfig(head_size=head_size, kv_dtypes=_kv_dtypes(kv_dtype, ALL_KV_DTYPES),
+                         rotation=plan, backend=device, prompt_len=prompt_len,
+                         decode_steps=decode_steps, seed=seed)
+    with render.progress_bar(total_steps(config), Console(stderr=True)) as advance:
+        report = run_repro(config, advance)
+    _print_report(report, as_json, render.repro_tables)
+    raise typer.Exit(0 if report["passed"] else 1)
+
+
+@app.command()
+def bench(
+    backend: Backend = typer.Option(Backend.auto, help=BACKEND_HELP),
+    kv_dtype: KvDtype = typer.Option(KvDtype.all, help="KV dtype to time; all: int4, int8, fp8, auto."),
+    phase: Phase = typer.Option(Phase.all, help="Decode (8 seqs x 4096 tokens), prefill (1 x 2048, "
+                                "causal) or both."),
+    repeats: int = typer.Option(7, min=1, help="Timed calls per decode case (the median is reported)."),
+    prefill_repeats: int = typer.Option(3, min=1, help="Timed calls per prefill case (each takes seconds)."),
+    warmup: int = typer.Option(1, min=0, help="Untimed calls before timing each case."),
+    quick: bool = typer.Option(False, help="Small shapes (2 x 256 decode, 1 x 128 prefill; 8/2 heads)."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Time paged decode and prefill (32/8 heads, d = 128) for each KV dtype against NumPy
+    float32 dense attention on already-dequantized K/V, in the same run."""
+    device = _device(backend)
+    shapes = tuple(shape for shape in (bench_module.QUICK_SHAPES if quick else bench_module.FULL_SHAPES)
+                   if phase is Phase.all or shape.phase == phase.value)
+    kv_dtypes = _kv_dtypes(kv_dtype, bench_module.ALL_KV_DTYPES)
+    with render.progress_bar(bench_module.total_steps(shapes, kv_dtypes), Console(stderr=True)) as advance:
+        report = bench_module.run_bench(shapes, kv_dtypes, device, warmup,
+                                        {"decode": repeats, "prefill": prefill_repeats}, advance)
+    _print_report(report, as_json, render.bench_tables)
+
+
+@app.command()
+def info(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
+    """Versions of kvcupy and its dependencies, and which backends are usable here (and why not)."""
+    report = collect_info()
+    _print_report(report, as_json, render.info_tables)

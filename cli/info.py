@@ -1,0 +1,41 @@
+"""`kvcupy info`: versions of kvcupy and what it runs on, and which backends are usable here."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import platform
+from dataclasses import asdict
+
+import kvcupy
+
+from .backends import all_backend_status
+
+# Imported to read their versions; CuPy is optional and reported only when importable.
+REQUIRED_PACKAGES = ("numpy", "numba", "ml_dtypes")
+OPTIONAL_PACKAGES = ("cupy",)
+
+
+def _optional_version(package: str) -> str | None:
+    if importlib.util.find_spec(package) is None:
+        return None
+    try:
+        return importlib.import_module(package).__version__
+    except Exception as error:   # CuPy raises more than ImportError when its CUDA libraries are missing
+        return f"installed, import fails: {error}"
+
+
+def versions() -> dict[str, str]:
+    found = {"kvcupy": kvcupy.__version__, "python": platform.python_version()}
+    for package in REQUIRED_PACKAGES:
+        found[package] = importlib.import_module(package).__version__
+    for package in OPTIONAL_PACKAGES:
+        version = _optional_version(package)
+        if version is not None:
+            found[package] = version
+    return found
+
+
+def collect_info() -> dict:
+    return {"versions": versions(),
+            "backends": [asdict(status) for status in all_backend_status()]}

@@ -1,0 +1,91 @@
+"""Everything the commands draw on the terminal: rich tables of their reports, and the progress bar.
+
+Each function takes the JSON-ready report a command builds, so the table and
+`--json` always show the same numbers.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from rich.console import Console, Group
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def _verdict(passed: bool) -> str:
+    return "[bold green]PASS[/]" if passed else "[bold red]FAIL[/]"
+
+
+@contextmanager
+def progress_bar(total: int, console: Console) -> Iterator:
+    """Yields advance(description): one unit of work is done, `description` names it.
+    The bar is transient (gone when done) and drawn only on a terminal."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("starting", total=total)
+        yield lambda description: progress.update(task, advance=1, description=description)
+
+
+def repro_tables(report: dict) -> Group:
+    rotation = report["rotation"]
+    title = (f"kvcupy repro: head size {report['head_size']}, {report['num_heads']}/"
+             f"{report['num_kv_heads']} query/KV heads, block size {report['block_size']}, "
+             f"{report['prompt_len']} prompt + {report['decode_steps']} decode tokens, "
+             f"backend {report['backend']}, seed {report['seed']}")
+    plan = (f"rotation {rotation['kind']}: {rotation['plan']}; rotate + inverse in float32: "
+            f"rel. err {rotation['roundtrip_rel_err']:.1e} (bound {rotation['roundtrip_bound']:.0e}) "
+            f"{_verdict(rotation['passed'])}")
+    impl_bound = report["results"][0]["impl_rel_err_bound"]
+    results = Table(show_edge=False, pad_edge=False, caption_justify="left", caption=(
+        "attn err: against float64 attention on the original K/V; impl err: against the float64 "
+        f"oracle on the same cache (bound {impl_bound:.0e}); rel. err = ||out - ref|| / ||ref|| "
+        "over all prefill and decode outputs; bytes: one token's K and V in one layer, scales "
+        "included"))
+    results.add_column("KV dtype", no_wrap=True)
+    for column in ("attn err", "bound", "impl err", "bytes", "vs fp16", "check"):
+        results.add_column(column, justify="right")
+    for result in report["results"]:
+        results.add_row(result["kv_dtype"], f"{result['attn_rel_err_vs_fp64']:.2e}",
+                        f"{result['attn_rel_err_bound']:.2e}", f"{result['impl_rel_err_vs_oracle']:.1e}",
+                        str(result["bytes_per_token"]), f"{result['bytes_vs_fp16']:.2f}x",
+                        _verdict(result["passed"]))
+    summary = "every check passed" if report["passed"] else "some checks failed"
+    return Group(title, plan, results, f"{_verdict(report['passed'])}: {summary}")
+
+
+def info_tables(info: dict) -> Group:
+    versions = Table(title="kvcupy info", title_justify="left")
+    versions.add_column("package")
+    versions.add_column("version")
+    for package, version in info["versions"].items():
+        versions.add_row(package, version)
+    backends = Table()
+    for column in ("backend", "usable", "detail"):
+        backends.add_column(column)
+    for status in info["backends"]:
+        usable = "[green]yes[/]" if status["usable"] else "[red]no[/]"
+        backends.add_row(status["name"], usable, status["detail"])
+    return Group(versions, backends)
+
+
+def bench_tables(report: dict) -> Group:
+    """One table per benchmark shape (phase), its NumPy baseline in the title."""
+    header = (f"kvcupy bench: backend {report['backend']}, {report['model_dtype']} inputs, "
+              f"block size {report['block_size']}, median of repeated calls; speedup = NumPy "
+              "float32 dense attention on already-dequantized K/V / kvcupy (> 1: kvcupy faster)")
+    tables = {}
+    for case in report["cases"]:
+        if case["phase"] not in tables:
+            causal = ", causal" if case["phase"] == "prefill" else ""
+            title = (f"{case['phase']}: {case['num_seqs']} seq x {case['seq_len']} tokens{causal}, "
+                     f"{case['num_heads']}/{case['num_kv_heads']} heads, d = {case['head_size']}; "
+                     f"numpy {1e3 * case['baseline_median_s']:.2f} ms")
+            table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+            for column in ("KV dtype", "rotation", "kvcupy ms", "speedup", "cache GB/s"):
+                table.add_column(column, justify="left" if column in ("KV dtype", "rotation") else "right")
+            tables[case["phase"]] = table
+        tables[case["phase"]].add_row(case["kv_dtype"], case["rotation"], f"{1e3 * case['median_s']:.2f}",
+                                      f"{case['speedup_vs_baseline']:.2f}x", f"{case['cache_gb_per_s']:.2f}")
+    return Group(header, *tables.values())

@@ -1,0 +1,139 @@
+"""The `kvcupy` command line through typer's CliRunner: reports parse, checks pass, exit codes hold."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import bounds
+from cli.app import app
+from cli.backends import backend_status
+
+runner = CliRunner()
+
+QUANTIZED_KV_DTYPES = ["int4_per_token_head", "int8_per_token_head", "fp8_per_token_head"]
+ALL_KV_DTYPES = QUANTIZED_KV_DTYPES + ["auto"]
+# Fewer tokens than the default 512 + 32: the same checks in about a second per KV dtype.
+SMALL_REPRO = ["repro", "--head-size", "96", "--prompt-len", "64", "--decode-steps", "4"]
+RESULT_KEYS = {"kv_dtype", "attn_rel_err_vs_fp64", "attn_rel_err_bound", "impl_rel_err_vs_oracle",
+               "impl_rel_err_bound", "bytes_per_token", "bytes_vs_fp16", "passed"}
+
+
+def plain_text(output: str) -> str:
+    """Rich's error panel without its box and line wrapping, to search for phrases."""
+    return " ".join(re.sub(r"[\u2500-\u257f]", " ", output).split())
+
+
+def run_json(args: list[str]) -> tuple[int, dict]:
+    """Exit code and the JSON report, which must be all of stdout."""
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+def test_repro_json_reports_every_check_and_passes():
+    exit_code, report = run_json(SMALL_REPRO)
+    assert exit_code == 0, report
+    assert report["passed"] is True
+    assert report["head_size"] == 96 and report["backend"] == "cpu"
+    rotation = report["rotation"]
+    assert (rotation["kind"], rotation["block"], rotation["blocks"]) == ("blockdiag", 32, 3)
+    assert rotation["plan"].startswith("96 = 32 x 3")
+    assert 0 <= rotation["roundtrip_rel_err"] <= 1e-6
+    assert [result["kv_dtype"] for result in report["results"]] == QUANTIZED_KV_DTYPES
+    for result in report["results"]:
+        assert set(result) == RESULT_KEYS, result["kv_dtype"]
+        assert result["passed"] is True, result
+        assert 0 < result["attn_rel_err_vs_fp64"] <= result["attn_rel_err_bound"], result
+        assert 0 <= result["impl_rel_err_vs_oracle"] <= 1e-5, result
+    # 32 KV heads x (K + V) x (d / 2 bytes + a 4-byte scale) for int4.
+    bytes_per_token = {result["kv_dtype"]: result["bytes_per_token"] for result in report["results"]}
+    assert bytes_per_token == {"int4_per_token_head": 64 * 52, "int8_per_token_head": 64 * 100,
+                               "fp8_per_token_head": 64 * 100}
+
+
+def test_repro_auto_is_the_float16_baseline():
+    exit_code, report = run_json([*SMALL_REPRO, "--kv-dtype", "auto"])
+    assert exit_code == 0, report
+    [result] = report["results"]
+    assert (result["bytes_per_token"], result["bytes_vs_fp16"]) == (64 * 192, 1.0)
+
+
+@pytest.mark.parametrize("rotation, block, blocks", [("kron", 96, 1), ("none", 1, 96)])
+def test_repro_passes_with_every_rotation(rotation, block, blocks):
+    exit_code, report = run_json([*SMALL_REPRO, "--rotation", rotation, "--kv-dtype", "int4_per_token_head"])
+    assert exit_code == 0, report
+    assert (report["rotation"]["kind"], report["rotation"]["block"], report["rotation"]["blocks"]) == \
+        (rotation, block, blocks)
+
+
+def test_repro_exits_1_when_a_check_fails(monkeypatch):
+    monkeypatch.setattr(bounds, "IMPL_BOUND", 0.0)   # no float32 implementation meets this
+    exit_code, report = run_json([*SMALL_REPRO, "--kv-dtype", "int8_per_token_head"])
+    assert exit_code == 1
+    assert report["passed"] is False and report["results"][0]["passed"] is False
+
+
+def test_rotation_cuts_int4_attention_error_on_outlier_keys():
+    """Acceptance: with the default rotation, int4's attention error is at most 0.6x the
+    error without rotation, at repro's default sizes (512 prompt + 32 decode tokens)."""
+    errors = {}
+    for rotation in ("blockdiag", "none"):
+        _, report = run_json(["repro", "--head-size", "96", "--kv-dtype", "int4_per_token_head",
+                              "--rotation", rotation])
+        errors[rotation] = report["results"][0]["attn_rel_err_vs_fp64"]
+    assert errors["blockdiag"] <= 0.6 * errors["none"], errors
+
+
+@pytest.mark.parametrize("command", ["repro", "bench"])
+@pytest.mark.parametrize("backend", ["cuda", "rocm"])
+def test_gpu_backend_fails_with_the_reason(command, backend):
+    if backend_status(backend).usable:
+        pytest.skip(f"{backend} is usable on this machine")
+    result = runner.invoke(app, [command, "--backend", backend])
+    assert result.exit_code == 2, result.output
+    message = plain_text(result.stderr)
+    assert f"backend '{backend}' is not usable here: not in this build" in message, message
+    assert result.stdout == ""
+
+
+def test_unsupported_head_size_is_a_usage_error():
+    result = runner.invoke(app, ["repro", "--head-size", "97"])
+    assert result.exit_code == 2, result.output
+    assert "head_size=97 is not supported" in plain_text(result.stderr)
+
+
+def test_info_json_lists_versions_and_backends():
+    exit_code, info = run_json(["info"])
+    assert exit_code == 0
+    assert {"kvcupy", "python", "numpy", "numba", "ml_dtypes"} <= set(info["versions"])
+    usable = {status["name"]: status["usable"] for status in info["backends"]}
+    assert usable == {name: backend_status(name).usable for name in ("cpu", "cuda", "rocm")}
+    assert usable["cpu"] is True
+    assert all(status["detail"] for status in info["backends"])
+
+
+def test_python_dash_m_cli_is_the_same_command():
+    repo_root = Path(__file__).resolve().parents[1]
+    completed = subprocess.run([sys.executable, "-m", "cli", "info", "--json"], cwd=repo_root,
+                               capture_output=True, text=True, check=True)
+    assert json.loads(completed.stdout)["versions"]["kvcupy"]
+
+
+def test_bench_quick_json_reports_ratios():
+    exit_code, report = run_json(["bench", "--quick", "--repeats", "3", "--prefill-repeats", "2"])
+    assert exit_code == 0
+    assert report["backend"] == "cpu"
+    cases = {(case["phase"], case["kv_dtype"]): case for case in report["cases"]}
+    assert set(cases) == {(phase, kv_dtype) for phase in ("decode", "prefill") for kv_dtype in ALL_KV_DTYPES}
+    for name, case in cases.items():
+        assert case["median_s"] > 0 and case["baseline_median_s"] > 0, name
+        assert math.isclose(case["speedup_vs_baseline"], case["baseline_median_s"] / case["median_s"]), name
+        assert case["cache_gb_per_s"] > 0, name
