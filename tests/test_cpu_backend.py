@@ -216,3 +216,20 @@ def test_vllm_inline_scale_layout(kv_dtype):
     out_inline = kc.paged_attention(query, inline, **args)
     assert relative_error(out_inline, kc.paged_attention(query, separate, **args)) <= 1e-6
     assert relative_error(out_inline, reference.paged_attention(query, inline, **args)) <= ATTENTION_RTOL
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "fp8_per_token_head"])
+def test_long_decode_stays_within_1e5(kv_dtype):
+    """4096 keys: float32 sums over thousands of terms must still meet 1e-5
+    (a zero-point applied as one correction at the end cancelled to 1.3e-4)."""
+    rng = np.random.default_rng(21)
+    batch = paged_batch(rng, [4096, 3000], [1, 1], 16)
+    cache = fresh_cache(batch, 16, 1, 128, kv_dtype, None)
+    kv_shape = (batch.num_tokens, 1, 128)
+    kc.reshape_and_cache(rng.standard_normal(kv_shape).astype(np.float16),
+                         rng.standard_normal(kv_shape).astype(np.float16), cache, batch.slot_mapping)
+    query = rng.standard_normal((2, 4, 128)).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens)
+    error = relative_error(kc.paged_attention(query, cache, **args),
+                           reference.paged_attention(query, cache, **args))
+    assert error <= ATTENTION_RTOL, f"{kv_dtype}: {error:.2e}"

@@ -142,43 +142,57 @@ def quantize_vectors(x, kind, codes, scales, zero_points):
 
 # --- attention ------------------------------------------------------------
 
-# The inner loops below are separate functions, each compiled with fast-math,
-# because LLVM vectorises them reliably there and not inside the parallel
-# loop body (checked on the generated AVX2 code: vfmadd231ps, vcvtdq2ps).
-
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
-def _dot(a, b):
-    acc = np.float32(0.0)
-    for i in range(a.shape[0]):
-        acc += a[i] * b[i]
-    return acc
-
-
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
-def _axpy(acc, weight, x):
-    for i in range(acc.shape[0]):
-        acc[i] += weight * x[i]
-
-
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
-def _unpack_int4(stored, low, high):
-    # int32 arithmetic: Numba's default int64 cannot use AVX2's vcvtdq2ps.
-    for j in range(stored.shape[0]):
-        byte = np.int32(stored[j])
-        low[j] = np.float32(np.int32(byte & np.int32(15)))
-        high[j] = np.float32(np.int32(byte >> np.int32(4)))
+# One work item is (query token, KV head). It walks its rows in chunks of at
+# most CHUNK rows of one block (one block_table lookup each), decodes a chunk
+# into a float32 scratch buffer that stays in L1, and consumes that in tiles of
+# two jobs of TILE rows: two query heads over the same rows (each row vector
+# loaded serves both), or, for the last head of an odd group, one head over
+# two row tiles. Either way a tile has 8 independent FMA chains, what two FMA
+# units of latency 4 need to stay busy.
+#
+# Every inner loop lives in a fast-math function other than the parallel loop
+# body, where LLVM vectorises it reliably (vfmadd231ps, vcvtdq2ps on ymm). The
+# functions take whole arrays plus indices, never per-row views, and the ones
+# the parallel body calls update no reference counts: for an array that all
+# threads share, that is a contended atomic operation. The innermost index of
+# each vectorised access is the loop variable itself; an index such as
+# half + i, which LLVM cannot prove non-negative, makes it fall back to scalar
+# code.
+CHUNK = 16
+TILE = 4   # rows per job: the tile functions below are written out for 4
 
 
 @njit(fastmath=ATTENTION_FASTMATH, cache=True)
-def _convert(stored, row):
-    for i in range(row.shape[0]):
-        row[i] = np.float32(stored[i])
+def _unpack_int4(data, block, offset, n, head, zero_points, nibbles):
+    """nibbles[r, 0] = low nibbles, nibbles[r, 1] = high nibbles of stored row
+    offset + r, each minus the row's zero-point.
+
+    Subtracting the zero-point here, not as one correction at the end, keeps
+    the value accumulator a sum of centred terms: a sum of raw codes (mean
+    ~7.5 steps) minus their zero-point mass cancels to a result ~100x smaller
+    over thousands of tokens, and loses that factor in float32 precision.
+    """
+    for r in range(n):
+        zero_point = zero_points[r]
+        for j in range(nibbles.shape[2]):
+            # int32 arithmetic: Numba's default int64 cannot use AVX2's vcvtdq2ps.
+            byte = np.int32(data[block, offset + r, head, j])
+            nibbles[r, 0, j] = np.float32(np.int32(byte & np.int32(15))) - zero_point
+            nibbles[r, 1, j] = np.float32(np.int32(byte >> np.int32(4))) - zero_point
 
 
 @njit(fastmath=ATTENTION_FASTMATH, cache=True)
-def _lookup(stored, table, row):
-    for i in range(row.shape[0]):
-        row[i] = table[np.int32(stored[i])]
+def _convert(data, block, offset, n, head, rows):
+    for r in range(n):
+        for i in range(rows.shape[1]):
+            rows[r, i] = np.float32(data[block, offset + r, head, i])
+
+
+@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+def _lookup(data, table, block, offset, n, head, rows):
+    for r in range(n):
+        for i in range(rows.shape[1]):
+            rows[r, i] = table[np.int32(data[block, offset + r, head, i])]
 
 
 @njit(cache=True, inline="always")
@@ -186,69 +200,168 @@ def _bits_to_float(bits):
     return np.uint32(bits).view(np.float32)
 
 
+# Inlined: as a call, it would update its arrays' reference counts on every chunk.
 @njit(cache=True, inline="always")
-def _decode_row(mode, data, scale_bits, has_scales, table, block, offset, head, row):
-    """Fill row (float32 [d]) from one stored vector, in storage order; return
-    (scale, zero_point) such that the vector is (row - zero_point) * scale.
+def _decode_chunk(mode, data, scale_bits, has_scales, table, block, offset, n, head,
+                  rows, nibbles, scales, zero_points):
+    """Decode stored rows offset .. offset+n-1 of one block into rows[:n] (float32
+    [CHUNK + 2 * TILE, d]; nibbles is the same buffer seen as [rows, 2, d/2]), in
+    storage order, so that row r times scales[r] is the stored vector.
 
-    Leaving scale and zero-point to the caller lets it apply them once per
-    score and once per probability instead of once per value. int4 rows come
-    out de-interleaved (low nibbles, then high nibbles); the caller permutes
-    the query and the output to match.
+    Leaving the scale to the caller lets it apply it once per score and once
+    per probability instead of once per value. int4 rows come out
+    de-interleaved (low nibbles, then high nibbles); the caller permutes the
+    query and the output to match.
     """
-    stored = data[block, offset, head]
+    for r in range(n):
+        zero_points[r] = 0.0
+        if not has_scales:
+            scales[r] = 1.0
+        elif mode == DECODE_INT4:
+            bits = scale_bits[block, offset + r, head]   # the zero-point is in the low 4 bits
+            scales[r] = _bits_to_float(bits & 0xFFFFFFF0)
+            zero_points[r] = np.float32(bits & 0xF)
+        else:
+            scales[r] = _bits_to_float(scale_bits[block, offset + r, head])
+    # Rows up to the next whole tile get scale 0: their (finite) values drop out.
+    for r in range(n, -(-n // (2 * TILE)) * 2 * TILE):
+        scales[r] = 0.0
     if mode == DECODE_INT4:
-        bits = scale_bits[block, offset, head]
-        half = row.shape[0] // 2
-        _unpack_int4(stored, row[:half], row[half:])
-        return _bits_to_float(bits & 0xFFFFFFF0), np.float32(bits & 0xF)
-    if mode == DECODE_LINEAR:
-        _convert(stored, row)
+        _unpack_int4(data, block, offset, n, head, zero_points, nibbles)
+    elif mode == DECODE_LINEAR:
+        _convert(data, block, offset, n, head, rows)
     else:
-        _lookup(stored, table, row)
-    scale = _bits_to_float(scale_bits[block, offset, head]) if has_scales else np.float32(1.0)
-    return scale, np.float32(0.0)
+        _lookup(data, table, block, offset, n, head, rows)
+
+
+@njit(fastmath=ATTENTION_FASTMATH, cache=True, inline="always")
+def _score_tile(q, g, h, rows, r, s, scores, j0):
+    """scores[g, j0 + r + k] = q[g] . rows[r + k] and scores[h, j0 + s + k] = q[h] . rows[s + k]
+    for k < TILE."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+    for i in range(q.shape[1]):
+        a0 += q[g, i] * rows[r, i]
+        a1 += q[g, i] * rows[r + 1, i]
+        a2 += q[g, i] * rows[r + 2, i]
+        a3 += q[g, i] * rows[r + 3, i]
+        b0 += q[h, i] * rows[s, i]
+        b1 += q[h, i] * rows[s + 1, i]
+        b2 += q[h, i] * rows[s + 2, i]
+        b3 += q[h, i] * rows[s + 3, i]
+    scores[g, j0 + r] = a0
+    scores[g, j0 + r + 1] = a1
+    scores[g, j0 + r + 2] = a2
+    scores[g, j0 + r + 3] = a3
+    scores[h, j0 + s] = b0
+    scores[h, j0 + s + 1] = b1
+    scores[h, j0 + s + 2] = b2
+    scores[h, j0 + s + 3] = b3
+
+
+@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+def _score_chunk(q, rows, n, scales, scores, j0):
+    """scores[g, j0 + r] = q[g] . rows[r] * scales[r] for r < n."""
+    group = q.shape[0]
+    for g in range(0, group - 1, 2):   # two heads over the same rows
+        for r in range(0, n, TILE):
+            _score_tile(q, g, g + 1, rows, r, r, scores, j0)
+    if group % 2:   # the last head of an odd group over two row tiles
+        for r in range(0, n, 2 * TILE):
+            _score_tile(q, group - 1, group - 1, rows, r, r + TILE, scores, j0)
+    for g in range(group):
+        for r in range(n):
+            scores[g, j0 + r] *= scales[r]
+
+
+@njit(fastmath=ATTENTION_FASTMATH, cache=True, inline="always")
+def _accumulate_tile(acc, g, h, probs, j0, scales, rows, r, s):
+    """acc[g] += rows r .. r+3 and acc[h] += rows s .. s+3, each row weighted by its
+    probability times its scale."""
+    a0 = probs[g, j0 + r] * scales[r]
+    a1 = probs[g, j0 + r + 1] * scales[r + 1]
+    a2 = probs[g, j0 + r + 2] * scales[r + 2]
+    a3 = probs[g, j0 + r + 3] * scales[r + 3]
+    b0 = probs[h, j0 + s] * scales[s]
+    b1 = probs[h, j0 + s + 1] * scales[s + 1]
+    b2 = probs[h, j0 + s + 2] * scales[s + 2]
+    b3 = probs[h, j0 + s + 3] * scales[s + 3]
+    for i in range(acc.shape[1]):
+        a = a0 * rows[r, i] + a1 * rows[r + 1, i] + a2 * rows[r + 2, i] + a3 * rows[r + 3, i]
+        b = b0 * rows[s, i] + b1 * rows[s + 1, i] + b2 * rows[s + 2, i] + b3 * rows[s + 3, i]
+        acc[g, i] += a
+        acc[h, i] += b   # h may be g: then both add to the same row
+
+
+@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+def _accumulate_chunk(probs, j0, rows, n, scales, acc):
+    """acc[g] += sum_r probs[g, j0 + r] * scales[r] * rows[r] over r < n."""
+    group = acc.shape[0]
+    # The tiles as in _score_chunk; past n, scales are 0 (the probabilities there are the next chunk's).
+    for g in range(0, group - 1, 2):
+        for r in range(0, n, TILE):
+            _accumulate_tile(acc, g, g + 1, probs, j0, scales, rows, r, r)
+    if group % 2:
+        for r in range(0, n, 2 * TILE):
+            _accumulate_tile(acc, group - 1, group - 1, probs, j0, scales, rows, r, r + TILE)
 
 
 @njit(cache=True, inline="always")
-def _decode_tile(mode, data, scale_bits, has_scales, table, block_table, seq, first, count,
-                 kv_head, rows, scales, zero_points):
-    """Decode up to TILE rows starting at position `first`; missing rows get scale 0."""
-    block_size = data.shape[1]
-    for r in range(TILE):
-        if r < count:
-            pos = first + r
-            block = block_table[seq, pos // block_size]
-            scales[r], zero_points[r] = _decode_row(mode, data, scale_bits, has_scales, table,
-                                                    block, pos % block_size, kv_head, rows[r])
-        else:
-            scales[r] = 0.0
-            zero_points[r] = 0.0
+def _chunk_at(block_table, seq, block_size, position, end):
+    """(block, offset, n) of the chunk of rows from `position`: it stops at the
+    block's end, after CHUNK rows or at `end`, whichever comes first."""
+    page, offset = divmod(position, block_size)
+    n = min(CHUNK, block_size - offset, end - position)
+    return block_table[seq, page], offset, n
 
 
 @njit(fastmath=ATTENTION_FASTMATH, cache=True)
-def _dot_tile(q, rows, dots):
-    """dots[r] = q . rows[r] for the TILE rows, reading q once."""
-    acc0 = acc1 = acc2 = acc3 = np.float32(0.0)
-    for i in range(q.shape[0]):
-        acc0 += q[i] * rows[0, i]
-        acc1 += q[i] * rows[1, i]
-        acc2 += q[i] * rows[2, i]
-        acc3 += q[i] * rows[3, i]
-    dots[0], dots[1], dots[2], dots[3] = acc0, acc1, acc2, acc3
+def _max(x):
+    """max(x) of float32 values, taken over int32 keys that order like them: an
+    integer max reduction vectorises (vpmaxsd), a float one only with nnan."""
+    top = np.int32(-2147483648)
+    for j in range(x.shape[0]):
+        bits = np.float32(x[j]).view(np.int32)
+        top = max(top, np.int32(bits ^ ((bits >> np.int32(31)) & np.int32(0x7FFFFFFF))))
+    return np.int32(top ^ ((top >> np.int32(31)) & np.int32(0x7FFFFFFF))).view(np.float32)
+
+
+@njit(fastmath=ATTENTION_FASTMATH, cache=True, inline="always")
+def _exp_nonpositive(x):
+    """exp(x) for x <= 0 (Cephes' expf), written out so that the softmax loop
+    vectorises: np.exp is a scalar libm call per value. About 1 ulp for
+    x > -10; below, where the terms are negligible, up to 5 ulp (3e-7)."""
+    # exp(x) = 2^n * exp(f), n = rint(x / ln 2), |f| <= ln(2) / 2. Below -87, 2^n
+    # would not be a normal float32; the comparison lets NaN through.
+    x = np.float32(-87.0) if x < np.float32(-87.0) else x
+    n = np.rint(x * np.float32(1.4426950408889634))
+    f = x - n * np.float32(0.6931471805599453)
+    p = np.float32(1.9875691500e-4)
+    p = p * f + np.float32(1.3981999507e-3)
+    p = p * f + np.float32(8.3334519073e-3)
+    p = p * f + np.float32(4.1665795894e-2)
+    p = p * f + np.float32(1.6666665459e-1)
+    p = p * f + np.float32(5.0000001201e-1)
+    two_to_n = np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
+    return (p * (f * f) + f + np.float32(1.0)) * two_to_n
 
 
 @njit(fastmath=ATTENTION_FASTMATH, cache=True)
-def _axpy_tile(acc, weights, rows):
-    """acc += sum_r weights[r] * rows[r]: one load and store of acc per TILE rows."""
-    w0, w1, w2, w3 = weights[0], weights[1], weights[2], weights[3]
-    for i in range(acc.shape[0]):
-        acc[i] += w0 * rows[0, i] + w1 * rows[1, i] + w2 * rows[2, i] + w3 * rows[3, i]
-
-
-# Keys and values are decoded TILE rows at a time, so that each accumulator is
-# loaded and stored once per TILE rows (the micro-kernels above are written for 4).
-TILE = 4
+def _softmax_numerators(scores, count, softcap, sinks, has_sinks, denominator):
+    """scores[g, :count] -> exp(logit - max); denominator[g] = their sum (+ the sink's)."""
+    for g in range(scores.shape[0]):
+        if softcap > 0:
+            for j in range(count):
+                scores[g, j] = softcap * np.tanh(scores[g, j] / softcap)
+        top = _max(scores[g, :count])
+        if has_sinks:
+            top = max(top, sinks[g])
+        total = np.float32(0.0)
+        for j in range(count):
+            scores[g, j] = _exp_nonpositive(scores[g, j] - top)
+            total += scores[g, j]
+        if has_sinks:
+            total += np.exp(sinks[g] - top)   # mass without a value
+        denominator[g] = total
 
 
 @njit(parallel=True, fastmath=ATTENTION_FASTMATH, cache=True)
@@ -263,65 +376,47 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
     so each K/V row is decoded once for all query heads that read it.
     """
     num_tokens, num_heads, d = query.shape
+    block_size = key_data.shape[1]
     num_kv_heads = key_data.shape[2]
     group = num_heads // num_kv_heads
     for item in prange(num_tokens * num_kv_heads):
         token = item // num_kv_heads
         kv_head = item % num_kv_heads
-        heads = query[token, kv_head * group:(kv_head + 1) * group]
+        heads = slice(kv_head * group, (kv_head + 1) * group)
+        q = query[token, heads].copy()   # contiguous, so that its loops vectorise
         seq = token_seq[token]
         position = seq_lens[seq] - cu_seqlens_q[seq + 1] + token
         first = 0 if sliding_window <= 0 else max(0, position - sliding_window + 1)
-        count = position - first + 1
+        end = position + 1
+        count = end - first
 
-        rows = np.zeros((TILE, d), np.float32)
-        tile_scales = np.empty(TILE, np.float32)
-        tile_zero_points = np.empty(TILE, np.float32)
-        dots = np.empty(TILE, np.float32)
-        scores = np.empty((group, count + TILE), np.float32)   # room for a partial last tile
-        query_sums = np.empty(group, np.float32)
-        for g in range(group):
-            query_sums[g] = np.sum(heads[g])
+        # Room for the rows of a last partial tile; zeros, so that they are finite.
+        rows = np.zeros((CHUNK + 2 * TILE, d), np.float32)
+        nibbles = rows.reshape((CHUNK + 2 * TILE, 2, d // 2))
+        scales = np.empty(CHUNK + 2 * TILE, np.float32)
+        zero_points = np.empty(CHUNK + 2 * TILE, np.float32)
+        scores = np.empty((group, count + 2 * TILE), np.float32)
 
-        for j in range(0, count, TILE):
-            _decode_tile(mode, key_data, k_scale_bits, has_scales, table, block_table, seq,
-                         first + j, count - j, kv_head, rows, tile_scales, tile_zero_points)
-            for g in range(group):
-                _dot_tile(heads[g], rows, dots)
-                for r in range(TILE):
-                    # q.k = scale * (q.row - zero_point * sum(q))
-                    scores[g, j + r] = tile_scales[r] * (dots[r] - tile_zero_points[r] * query_sums[g])
+        start = first
+        while start < end:
+            block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
+            _decode_chunk(mode, key_data, k_scale_bits, has_scales, table, block, offset, n,
+                          kv_head, rows, nibbles, scales, zero_points)
+            _score_chunk(q, rows, n, scales, scores, start - first)
+            start += n
 
         denominator = np.empty(group, np.float32)
-        for g in range(group):
-            logits = scores[g, :count]
-            if softcap > 0:
-                for j in range(count):
-                    logits[j] = softcap * np.tanh(logits[j] / softcap)
-            top = np.max(logits)
-            if has_sinks:
-                top = max(top, sinks[kv_head * group + g])
-            total = np.float32(0.0)
-            for j in range(count):
-                logits[j] = np.exp(logits[j] - top)
-                total += logits[j]
-            if has_sinks:
-                total += np.exp(sinks[kv_head * group + g] - top)   # mass without a value
-            denominator[g] = total
+        _softmax_numerators(scores, count, softcap, sinks[heads], has_sinks, denominator)
 
-        acc_out = np.zeros((group, d), np.float32)
-        zero_point_mass = np.zeros(group, np.float32)
-        weights = np.empty(TILE, np.float32)
-        for j in range(0, count, TILE):
-            _decode_tile(mode, value_data, v_scale_bits, has_scales, table, block_table, seq,
-                         first + j, count - j, kv_head, rows, tile_scales, tile_zero_points)
-            for g in range(group):
-                # p * v = (p * scale) * row - p * scale * zero_point; missing rows have scale 0
-                for r in range(TILE):
-                    weights[r] = scores[g, j + r] * tile_scales[r]
-                    zero_point_mass[g] += weights[r] * tile_zero_points[r]
-                _axpy_tile(acc_out[g], weights, rows)
+        acc = np.zeros((group, d), np.float32)
+        start = first
+        while start < end:
+            block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
+            _decode_chunk(mode, value_data, v_scale_bits, has_scales, table, block, offset, n,
+                          kv_head, rows, nibbles, scales, zero_points)
+            _accumulate_chunk(scores, start - first, rows, n, scales, acc)
+            start += n
         for g in range(group):
             inv = np.float32(1.0) / denominator[g]
             for i in range(d):
-                out[token, kv_head * group + g, i] = (acc_out[g, i] - zero_point_mass[g]) * inv
+                out[token, kv_head * group + g, i] = acc[g, i] * inv
