@@ -20,11 +20,9 @@ ROUNDTRIP_BOUND = 1e-6
 # The implementation against the float64 oracle reading the same cache. Both
 # see identical stored values, so only float32 arithmetic separates them: dot
 # products over d <= 256 channels and softmax sums over the keys, whose
-# rounding grows like sqrt(n) * 2^-24 (~1.4e-6 for 544 keys); int4 applies its
-# zero-point on the score side (scale * (q.codes - zp * sum(q))), a difference
-# of terms larger than the result. Measured on repro (head size 96, 544
-# tokens): 1.5e-6 for int4, 3e-7 for the others. 1e-5 is DESIGN.md's bound for
-# every backend against the oracle.
+# rounding grows like sqrt(n) * 2^-24 (~1.4e-6 for 544 keys). Measured on
+# repro (head size 96, 544 tokens): 3.2e-7 to 3.5e-7 for every KV dtype.
+# 1e-5 is DESIGN.md's bound for every backend against the oracle.
 IMPL_BOUND = 1e-5
 
 # Half an e4m3fn ulp, relative: 3 mantissa bits. Below the smallest normal
