@@ -17,7 +17,7 @@ from . import formats, interop
 from .backends import cpu
 from .formats import FP8_DTYPE, MODEL_DTYPES
 from .kvcache import KVCache
-from .rotation import RotationPlan, rotation_plan
+from .rotation import RotationPlan, check_head_size, rotation_plan
 
 DEVICES = ("cpu", "cuda", "rocm")
 INDEX_DTYPES = (np.int32, np.int64)
@@ -100,12 +100,15 @@ def allocate_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
     block_size = _positive_int(block_size, "block_size")
     num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
     info = formats.kv_dtype_info(kv_dtype)
-    rotation_plan(head_size, "none")   # validates head_size
+    head_size = check_head_size(head_size)
     plan = _resolve_rotation(rotation, kv_dtype, head_size)
     _check_device(device)
     storage = info.storage_dtype(formats.model_dtype(dtype))
     shape = (num_blocks, block_size, num_kv_heads, info.stored_head_size(head_size))
-    scales = (lambda: np.zeros(shape[:3], np.float32)) if info.quantized else (lambda: None)
+
+    def scales():
+        return np.zeros(shape[:3], np.float32) if info.quantized else None
+
     return KVCache(np.zeros(shape, storage), np.zeros(shape, storage), scales(), scales(),
                    kv_dtype, plan, head_size)
 
@@ -142,8 +145,7 @@ def wrap_cache(key_cache, value_cache, k_scale_cache=None, v_scale_cache=None, *
     if values.shape != keys.shape or values.dtype != keys.dtype:
         raise ValueError(f"value_cache {values.shape} {values.dtype} must match key_cache "
                          f"{keys.shape} {keys.dtype}")
-    head_size = keys.shape[3] * info.values_per_element
-    rotation_plan(head_size, "none")   # validates head_size
+    head_size = check_head_size(keys.shape[3] * info.values_per_element)
     plan = _resolve_rotation(rotation, kv_dtype, head_size)
 
     scale_arrays = []

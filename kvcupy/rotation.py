@@ -147,13 +147,8 @@ def kvcupy_signs(length: int) -> tuple[int, ...]:
     return tuple(signs)
 
 
-def rotation_plan(head_size: int, kind: str = "blockdiag", preset: str | None = "kvcupy") -> RotationPlan:
-    """The rotation for one head size.
-
-    kind: "blockdiag" (any even head size), "kron" (head_size = m * 2^k with
-    m in {1, 12, 20, 28}) or "none". preset: "kvcupy" (kvcupy's own signs) or
-    "vllm" (vLLM's signs, and rounding to the input dtype; blockdiag only).
-    """
+def check_head_size(head_size) -> int:
+    """head_size as an int, or the error FORMAT.md's range (even, 32..256) calls for."""
     if isinstance(head_size, bool) or not isinstance(head_size, (int, np.integer)):
         raise TypeError(f"head_size={head_size!r} must be an int")
     head_size = int(head_size)
@@ -161,6 +156,17 @@ def rotation_plan(head_size: int, kind: str = "blockdiag", preset: str | None = 
         raise ValueError(
             f"head_size={head_size} is not supported: expected an even size in "
             f"{MIN_HEAD_SIZE}..{MAX_HEAD_SIZE}")
+    return head_size
+
+
+def rotation_plan(head_size: int, kind: str = "blockdiag", preset: str | None = "kvcupy") -> RotationPlan:
+    """The rotation for one head size.
+
+    kind: "blockdiag" (any even head size), "kron" (head_size = m * 2^k with
+    m in {1, 12, 20, 28}) or "none". preset: "kvcupy" (kvcupy's own signs) or
+    "vllm" (vLLM's signs, and rounding to the input dtype; blockdiag only).
+    """
+    head_size = check_head_size(head_size)
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is not a rotation kind; expected one of {KINDS}")
     if kind == "none":
