@@ -112,9 +112,12 @@ def bench(
     kv_dtype: KvDtype = typer.Option(KvDtype.all, help="KV dtype to time; all: int4, int8, fp8, auto."),
     phase: Phase = typer.Option(Phase.all, help="Decode (8 seqs x 4096 tokens), prefill (1 x 2048, "
                                 "causal) or both."),
-    repeats: int = typer.Option(7, min=1, help="Timed calls per decode case (the median is reported)."),
+    repeats: int = typer.Option(9, min=1, help="Timed calls per decode case, over all rounds (the "
+                                "median is reported)."),
     prefill_repeats: int = typer.Option(3, min=1, help="Timed calls per prefill case (each takes seconds)."),
-    warmup: int = typer.Option(1, min=0, help="Untimed calls before timing each case."),
+    rounds: int = typer.Option(3, min=1, help="Rounds; each times the baseline, then every KV dtype."),
+    warmup: int = typer.Option(1, min=0, help="Untimed calls before a case's timed calls in a round "
+                               "(and at least 0.3 s of them)."),
     quick: bool = typer.Option(False, help="Small shapes (2 x 256 decode, 1 x 128 prefill; 8/2 heads)."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
@@ -124,9 +127,10 @@ def bench(
     shapes = tuple(shape for shape in (bench_module.QUICK_SHAPES if quick else bench_module.FULL_SHAPES)
                    if phase is Phase.all or shape.phase == phase.value)
     kv_dtypes = _kv_dtypes(kv_dtype, bench_module.ALL_KV_DTYPES)
-    with render.progress_bar(bench_module.total_steps(shapes, kv_dtypes), Console(stderr=True)) as advance:
-        report = bench_module.run_bench(shapes, kv_dtypes, device, warmup,
-                                        {"decode": repeats, "prefill": prefill_repeats}, advance)
+    repeats_by_phase = {"decode": repeats, "prefill": prefill_repeats}
+    steps = bench_module.total_steps(shapes, kv_dtypes, repeats_by_phase, rounds)
+    with render.progress_bar(steps, Console(stderr=True)) as advance:
+        report = bench_module.run_bench(shapes, kv_dtypes, device, warmup, repeats_by_phase, rounds, advance)
     _print_report(report, as_json, render.bench_tables)
 
 

@@ -9,10 +9,17 @@ the others), as allocate_cache gives it.
 Both sides get the same float16 inputs; kvcupy writes them into its cache
 first (not timed).
 
-Every case is timed with time.perf_counter around whole calls: `warmup`
-untimed calls (compilation, first touch of memory), then `repeats` timed
-ones, of which the median is reported. speedup_vs_baseline = baseline median
-/ kvcupy median: above 1, kvcupy is faster.
+Every case is timed with time.perf_counter around whole calls, in `rounds`
+rounds: each round times the baseline and then every KV dtype, so slow
+phases of a shared machine fall on all of them alike rather than on whichever
+case ran then. Before its timed calls in a round, a case is called untimed
+for at least `warmup` calls and SETTLE_S seconds: compilation and first
+touch of memory happen there, and so does the wait for the previous case's
+threads to go idle (OpenBLAS workers keep spinning for about 0.1 s after a
+matmul; measured on a 2-core machine, the first four kvcupy decode calls
+after the baseline took 2-3x their steady time). Each case's timed calls of
+all rounds are pooled and their median is reported. speedup_vs_baseline =
+baseline median / kvcupy median: above 1, kvcupy is faster.
 """
 
 from __future__ import annotations
@@ -79,15 +86,28 @@ def make_inputs(shape: Shape, rng: np.random.Generator) -> Inputs:
     return Inputs(key, value, query)
 
 
-def median_seconds(call: Callable[[], object], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
+SETTLE_S = 0.3
+
+
+def time_calls(call: Callable[[], object], warmup: int, repeats: int) -> list[float]:
+    """Seconds of `repeats` timed calls, after at least `warmup` untimed calls and SETTLE_S seconds."""
+    start = time.perf_counter()
+    calls = 0
+    while calls < warmup or time.perf_counter() - start < SETTLE_S:
         call()
+        calls += 1
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        begin = time.perf_counter()
         call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append(time.perf_counter() - begin)
+    return times
+
+
+def split_repeats(repeats: int, rounds: int) -> list[int]:
+    """Timed calls per round: `repeats` spread as evenly as possible, rounds with none dropped."""
+    per_round = [repeats // rounds + (index < repeats % rounds) for index in range(rounds)]
+    return [count for count in per_round if count]
 
 
 def dense_attention_call(shape: Shape, inputs: Inputs) -> Callable[[], np.ndarray]:
@@ -148,36 +168,43 @@ def attended_tokens(shape: Shape) -> int:
 
 
 def bench_shape(shape: Shape, kv_dtypes: tuple[str, ...], device: str, warmup: int, repeats: int,
-                progress: Progress) -> list[dict]:
-    """The baseline and each KV dtype on one shape."""
+                rounds: int, progress: Progress) -> list[dict]:
+    """The baseline and each KV dtype on one shape, interleaved in rounds."""
     inputs = make_inputs(shape, np.random.default_rng(SEED))
-    baseline_s = median_seconds(dense_attention_call(shape, inputs), warmup, repeats)
-    progress(f"{shape.phase}: numpy float32 dense")
+    calls = {"baseline": dense_attention_call(shape, inputs)}
+    caches = {}
+    for kv_dtype in kv_dtypes:
+        calls[kv_dtype], caches[kv_dtype] = paged_attention_call(shape, inputs, kv_dtype, device)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for count in split_repeats(repeats, rounds):
+        for name, call in calls.items():
+            times[name] += time_calls(call, warmup, count)
+            progress(f"{shape.phase}: {'numpy float32 dense' if name == 'baseline' else name}")
+    baseline_s = statistics.median(times["baseline"])
     num_tokens = shape.num_seqs * shape.seq_len
     cases = []
     for kv_dtype in kv_dtypes:
-        attend, cache = paged_attention_call(shape, inputs, kv_dtype, device)
-        seconds = median_seconds(attend, warmup, repeats)
+        seconds = statistics.median(times[kv_dtype])
         cache_bytes = attended_tokens(shape) * formats.kv_dtype_info(kv_dtype).bytes_per_token(
             shape.num_kv_heads, shape.head_size, MODEL_DTYPE)
-        cases.append({**asdict(shape), "kv_dtype": kv_dtype, "rotation": cache.rotation.kind,
+        cases.append({**asdict(shape), "kv_dtype": kv_dtype, "rotation": caches[kv_dtype].rotation.kind,
                       "query_tokens": shape.num_seqs * shape.query_len, "context_tokens": num_tokens,
-                      "repeats": repeats, "median_s": seconds, "baseline_median_s": baseline_s,
+                      "repeats": len(times[kv_dtype]), "median_s": seconds, "baseline_median_s": baseline_s,
                       "speedup_vs_baseline": baseline_s / seconds,
                       "cache_bytes_read": cache_bytes, "cache_gb_per_s": cache_bytes / seconds / 1e9})
-        progress(f"{shape.phase}: {kv_dtype}")
     return cases
 
 
 def run_bench(shapes: tuple[Shape, ...], kv_dtypes: tuple[str, ...], device: str, warmup: int,
-              repeats: dict[str, int], progress: Progress) -> dict:
-    """repeats: timed calls per phase ("decode", "prefill")."""
+              repeats: dict[str, int], rounds: int, progress: Progress) -> dict:
+    """repeats: timed calls per case and phase ("decode", "prefill"), spread over `rounds` rounds."""
     cases = []
     for shape in shapes:
-        cases += bench_shape(shape, kv_dtypes, device, warmup, repeats[shape.phase], progress)
+        cases += bench_shape(shape, kv_dtypes, device, warmup, repeats[shape.phase], rounds, progress)
     return {"backend": device, "model_dtype": MODEL_DTYPE.name, "block_size": BLOCK_SIZE,
-            "warmup": warmup, "cases": cases}
+            "warmup": warmup, "settle_s": SETTLE_S, "rounds": rounds, "cases": cases}
 
 
-def total_steps(shapes: tuple[Shape, ...], kv_dtypes: tuple[str, ...]) -> int:
-    return len(shapes) * (1 + len(kv_dtypes))
+def total_steps(shapes: tuple[Shape, ...], kv_dtypes: tuple[str, ...], repeats: dict[str, int],
+                rounds: int) -> int:
+    return sum(len(split_repeats(repeats[shape.phase], rounds)) * (1 + len(kv_dtypes)) for shape in shapes)

@@ -73,7 +73,8 @@ def info_tables(info: dict) -> Group:
 def bench_tables(report: dict) -> Group:
     """One table per benchmark shape (phase), its NumPy baseline in the title."""
     header = (f"kvcupy bench: backend {report['backend']}, {report['model_dtype']} inputs, "
-              f"block size {report['block_size']}, median of repeated calls; speedup = NumPy "
+              f"block size {report['block_size']}, median of repeated calls over {report['rounds']} "
+              "interleaved rounds; speedup = NumPy "
               "float32 dense attention on already-dequantized K/V / kvcupy (> 1: kvcupy faster)")
     tables = {}
     for case in report["cases"]:
