@@ -178,7 +178,7 @@ def paged_attention(query: np.ndarray, cache, *, block_table, seq_lens, cu_seqle
         kernels.paged_attention(q, key_data, value_data, k_bits, v_bits, has_scales, mode, table,
                                 block_table, seq_lens, cu_seqlens_q, token_seq,
                                 int(sliding_window or 0), np.float32(softcap), sink_logits,
-                                has_sinks, out)
+                                has_sinks, out, numba.get_num_threads())
     if order is not None:
         restored = np.empty_like(out)
         restored[..., order] = out

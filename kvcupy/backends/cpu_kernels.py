@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 # Reassociation lets LLVM vectorise reductions; no nnan/ninf, since masked and
 # sink logits may be infinite.
@@ -141,6 +142,25 @@ def quantize_vectors(x, kind, codes, scales, zero_points):
 
 
 # --- attention ------------------------------------------------------------
+
+@intrinsic
+def _fetch_add(typingctx, counter, increment):
+    """Atomically add `increment` to counter[0] (int64) and return its previous value.
+
+    Numba offers no atomic operations on the CPU; this is LLVM's atomicrmw,
+    sequentially consistent, as C11's atomic_fetch_add.
+    """
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64 and counter.ndim == 1):
+        return None
+    signature = types.int64(counter, types.int64)
+
+    def codegen(context, builder, sig, args):
+        array = context.make_array(sig.args[0])(context, builder, args[0])
+        delta = context.cast(builder, args[1], sig.args[1], types.int64)
+        return builder.atomic_rmw("add", array.data, delta, "seq_cst")
+
+    return signature, codegen
+
 
 # One work item is (query token, KV head). It walks its rows in chunks of at
 # most CHUNK rows of one block (one block_table lookup each), decodes a chunk
@@ -367,56 +387,68 @@ def _softmax_numerators(scores, count, softcap, sinks, has_sinks, denominator):
 @njit(parallel=True, fastmath=ATTENTION_FASTMATH, cache=True)
 def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has_scales,
                     mode, table, block_table, seq_lens, cu_seqlens_q, token_seq,
-                    sliding_window, softcap, sinks, has_sinks, out):
+                    sliding_window, softcap, sinks, has_sinks, out, lanes):
     """Causal paged attention in the rotated, storage-ordered domain.
 
     query, out: float32 [T, Hq, d]; query is already rotated, permuted to
     storage order and multiplied by softmax_scale / rotation norm.
     One work item is (query token, KV head): it serves the whole GQA group,
     so each K/V row is decoded once for all query heads that read it.
+
+    `lanes` workers (one per thread) claim items one at a time from a shared
+    counter rather than taking a fixed share: items differ in cost (a varlen
+    batch's sequences, sliding windows), and so do the cores of a shared
+    machine (on a 2-core VM one core ran this kernel 1.3x slower than the
+    other, and which one changed from minute to minute).
     """
     num_tokens, num_heads, d = query.shape
     block_size = key_data.shape[1]
     num_kv_heads = key_data.shape[2]
     group = num_heads // num_kv_heads
-    for item in prange(num_tokens * num_kv_heads):
-        token = item // num_kv_heads
-        kv_head = item % num_kv_heads
-        heads = slice(kv_head * group, (kv_head + 1) * group)
-        q = query[token, heads].copy()   # contiguous, so that its loops vectorise
-        seq = token_seq[token]
-        position = seq_lens[seq] - cu_seqlens_q[seq + 1] + token
-        first = 0 if sliding_window <= 0 else max(0, position - sliding_window + 1)
-        end = position + 1
-        count = end - first
+    num_items = num_tokens * num_kv_heads
+    next_item = np.zeros(1, np.int64)
+    for lane in prange(lanes):
+        while True:
+            item = _fetch_add(next_item, 1)
+            if item >= num_items:
+                break
+            token = item // num_kv_heads
+            kv_head = item % num_kv_heads
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            q = query[token, heads].copy()   # contiguous, so that its loops vectorise
+            seq = token_seq[token]
+            position = seq_lens[seq] - cu_seqlens_q[seq + 1] + token
+            first = 0 if sliding_window <= 0 else max(0, position - sliding_window + 1)
+            end = position + 1
+            count = end - first
 
-        # Room for the rows of a last partial tile; zeros, so that they are finite.
-        rows = np.zeros((CHUNK + 2 * TILE, d), np.float32)
-        nibbles = rows.reshape((CHUNK + 2 * TILE, 2, d // 2))
-        scales = np.empty(CHUNK + 2 * TILE, np.float32)
-        zero_points = np.empty(CHUNK + 2 * TILE, np.float32)
-        scores = np.empty((group, count + 2 * TILE), np.float32)
+            # Room for the rows of a last partial tile; zeros, so that they are finite.
+            rows = np.zeros((CHUNK + 2 * TILE, d), np.float32)
+            nibbles = rows.reshape((CHUNK + 2 * TILE, 2, d // 2))
+            scales = np.empty(CHUNK + 2 * TILE, np.float32)
+            zero_points = np.empty(CHUNK + 2 * TILE, np.float32)
+            scores = np.empty((group, count + 2 * TILE), np.float32)
 
-        start = first
-        while start < end:
-            block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
-            _decode_chunk(mode, key_data, k_scale_bits, has_scales, table, block, offset, n,
-                          kv_head, rows, nibbles, scales, zero_points)
-            _score_chunk(q, rows, n, scales, scores, start - first)
-            start += n
+            start = first
+            while start < end:
+                block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
+                _decode_chunk(mode, key_data, k_scale_bits, has_scales, table, block, offset, n,
+                              kv_head, rows, nibbles, scales, zero_points)
+                _score_chunk(q, rows, n, scales, scores, start - first)
+                start += n
 
-        denominator = np.empty(group, np.float32)
-        _softmax_numerators(scores, count, softcap, sinks[heads], has_sinks, denominator)
+            denominator = np.empty(group, np.float32)
+            _softmax_numerators(scores, count, softcap, sinks[heads], has_sinks, denominator)
 
-        acc = np.zeros((group, d), np.float32)
-        start = first
-        while start < end:
-            block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
-            _decode_chunk(mode, value_data, v_scale_bits, has_scales, table, block, offset, n,
-                          kv_head, rows, nibbles, scales, zero_points)
-            _accumulate_chunk(scores, start - first, rows, n, scales, acc)
-            start += n
-        for g in range(group):
-            inv = np.float32(1.0) / denominator[g]
-            for i in range(d):
-                out[token, kv_head * group + g, i] = acc[g, i] * inv
+            acc = np.zeros((group, d), np.float32)
+            start = first
+            while start < end:
+                block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
+                _decode_chunk(mode, value_data, v_scale_bits, has_scales, table, block, offset, n,
+                              kv_head, rows, nibbles, scales, zero_points)
+                _accumulate_chunk(scores, start - first, rows, n, scales, acc)
+                start += n
+            for g in range(group):
+                inv = np.float32(1.0) / denominator[g]
+                for i in range(d):
+                    out[token, kv_head * group + g, i] = acc[g, i] * inv
