@@ -7,11 +7,13 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from cli import bench as bench_module
 from cli import bounds
 from cli.app import app
 from cli.backends import backend_status
@@ -137,3 +139,24 @@ def test_bench_quick_json_reports_ratios():
         assert case["median_s"] > 0 and case["baseline_median_s"] > 0, name
         assert math.isclose(case["speedup_vs_baseline"], case["baseline_median_s"] / case["median_s"]), name
         assert case["cache_gb_per_s"] > 0, name
+        assert case["repeats"] == (3 if name[0] == "decode" else 2), name
+    assert report["rounds"] == 3
+
+
+@pytest.mark.parametrize(("repeats", "rounds", "expected"), [
+    (9, 3, [3, 3, 3]), (7, 3, [3, 2, 2]), (2, 3, [1, 1]), (1, 1, [1]), (5, 2, [3, 2]),
+])
+def test_bench_spreads_repeats_over_rounds(repeats, rounds, expected):
+    assert bench_module.split_repeats(repeats, rounds) == expected
+
+
+def test_bench_times_exactly_the_requested_calls_after_settling(monkeypatch):
+    monkeypatch.setattr(bench_module, "SETTLE_S", 0.02)
+    calls = []
+    times = bench_module.time_calls(lambda: calls.append(time.perf_counter()), warmup=2, repeats=4)
+    assert len(times) == 4
+    untimed = len(calls) - 4
+    assert untimed >= 2
+    # Untimed calls went on until the settle time had passed, and no longer.
+    assert calls[untimed - 1] - calls[0] < 0.02
+    assert calls[untimed] - calls[0] >= 0.02 - 1e-3
