@@ -48,13 +48,26 @@ def _threads_for(num_values: int):
 
 # --- rotation -------------------------------------------------------------
 
-def _rotate_float32(x32: np.ndarray, plan: RotationPlan, inverse: bool) -> np.ndarray:
-    """Rotate the rows of a float32 [..., d] array; returns float32."""
+@functools.lru_cache(maxsize=None)
+def _identity_order(head_size: int) -> np.ndarray:
+    return np.arange(head_size, dtype=np.int64)
+
+
+def _rotate_float32(x32: np.ndarray, plan: RotationPlan, inverse: bool, divisor: float | None = None,
+                    read_order: np.ndarray | None = None, write_order: np.ndarray | None = None
+                    ) -> np.ndarray:
+    """Rotate the rows of a float32 [..., d] array; returns float32. divisor: by default
+    the inverse's norm (1 forward); the orders permute the input and output channels."""
     flat = np.ascontiguousarray(x32.reshape(-1, plan.head_size))
     out = np.empty_like(flat)
+    if divisor is None:
+        divisor = float(plan.norm) if inverse else 1.0
+    identity = _identity_order(plan.head_size)
     with _threads_for(flat.size):
-        kernels.rotate_rows(flat, out, plan.sign_vector(), plan.mix_matrix(),
-                            plan.kind == "kron", plan.pow2_size, inverse, float(plan.norm))
+        kernels.rotate_rows(flat, out, plan.sign_vector(), plan.mix_matrix(), plan.kind == "kron",
+                            plan.pow2_size, inverse, divisor,
+                            identity if read_order is None else read_order,
+                            identity if write_order is None else write_order)
     return out.reshape(x32.shape)
 
 
@@ -139,6 +152,12 @@ def _decode_plan(cache) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     return kernels.DECODE_TABLE, table, cache.key_cache.view(np.uint16), cache.value_cache.view(np.uint16)
 
 
+def _inverse_permutation(order: np.ndarray) -> np.ndarray:
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.size)
+    return inverse
+
+
 def storage_order(kv_dtype: str, head_size: int) -> np.ndarray | None:
     """Permutation from the model's channel order to the order rows decode in."""
     if kv_dtype != "int4_per_token_head":
@@ -146,20 +165,40 @@ def storage_order(kv_dtype: str, head_size: int) -> np.ndarray | None:
     return np.concatenate([np.arange(0, head_size, 2), np.arange(1, head_size, 2)])
 
 
+# A work item of the attention kernel takes a run of consecutive query tokens
+# of one sequence and decodes each K/V row once for all of them: a prefill
+# then decodes its keys once per run instead of once per token. A run has at
+# most RUN_QUERY_ROWS (token, query head) rows of one KV head (enough to
+# amortise decoding; more would only grow the kernel's per-item buffers), and
+# its scores buffer at most RUN_SCORES floats, for long sequences.
+RUN_QUERY_ROWS = 32
+RUN_SCORES = 1 << 22
+
+
+def query_runs(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, group: int) -> np.ndarray:
+    """int32 [R + 1]: run r is query tokens runs[r] .. runs[r + 1] - 1, all of one sequence."""
+    longest = max(int(seq_lens.max(initial=1)), 1)
+    tokens_per_run = max(1, min(RUN_QUERY_ROWS // group, RUN_SCORES // (group * longest)))
+    starts = [np.arange(begin, end, tokens_per_run)
+              for begin, end in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist())]
+    return np.append(np.concatenate(starts or [np.empty(0, np.int64)]), cu_seqlens_q[-1]).astype(np.int32)
+
+
 def paged_attention(query: np.ndarray, cache, *, block_table, seq_lens, cu_seqlens_q,
                     softmax_scale: float, sliding_window: int | None, softcap: float,
                     sinks: np.ndarray | None) -> np.ndarray:
     """float32 [T, Hq, d] attention output (unrotated, model channel order)."""
     plan = cache.rotation
-    q = query.astype(np.float32)
-    norm = 1
-    if plan is not None and not plan.is_identity:
-        q = _rotate_float32(q, plan, inverse=False)
-        norm = plan.norm
-    q = q * np.float32(softmax_scale / norm)
+    rotated = plan is not None and not plan.is_identity
     order = storage_order(cache.kv_dtype, cache.head_size)
-    if order is not None:
-        q = q[..., order]
+    q = query.astype(np.float32)
+    if rotated:
+        # One pass: rotate, scale, and permute to storage order.
+        q = _rotate_float32(q, plan, inverse=False, divisor=plan.norm / softmax_scale, write_order=order)
+    else:
+        q = q * np.float32(softmax_scale)
+        if order is not None:
+            q = q[..., order]
     q = np.ascontiguousarray(q)
 
     mode, table, key_data, value_data = _decode_plan(cache)
@@ -177,12 +216,15 @@ def paged_attention(query: np.ndarray, cache, *, block_table, seq_lens, cu_seqle
     with _threads_for(values_read):
         kernels.paged_attention(q, key_data, value_data, k_bits, v_bits, has_scales, mode, table,
                                 block_table, seq_lens, cu_seqlens_q, token_seq,
+                                query_runs(cu_seqlens_q, seq_lens, q.shape[1] // key_data.shape[2]),
                                 int(sliding_window or 0), np.float32(softcap), sink_logits,
                                 has_sinks, out, numba.get_num_threads())
+    if rotated:
+        # One pass: back to model channel order, and rotate back.
+        read_order = None if order is None else _inverse_permutation(order)
+        return _rotate_float32(out, plan, inverse=True, read_order=read_order)
     if order is not None:
         restored = np.empty_like(out)
         restored[..., order] = out
         out = restored
-    if plan is not None and not plan.is_identity:
-        out = _rotate_float32(out, plan, inverse=True)
     return out

@@ -35,6 +35,19 @@ def _fwht_rows(buf, rows, pow2):
     for r in range(rows):
         base = r * pow2
         h = 1
+        if pow2 >= 4:
+            # Stages h = 1 and 2 as one radix-4 butterfly: the same additions in
+            # the same order, without the radix-2 loops' one- and two-long inner loops.
+            for i in range(base, base + pow2, 4):
+                a = buf[i] + buf[i + 1]
+                b = buf[i] - buf[i + 1]
+                c = buf[i + 2] + buf[i + 3]
+                e = buf[i + 2] - buf[i + 3]
+                buf[i] = a + c
+                buf[i + 1] = b + e
+                buf[i + 2] = a - c
+                buf[i + 3] = b - e
+            h = 4
         while h < pow2:
             for i in range(base, base + pow2, 2 * h):
                 for j in range(i, i + h):
@@ -46,17 +59,21 @@ def _fwht_rows(buf, rows, pow2):
 
 
 @njit(parallel=True, cache=True)
-def rotate_rows(x, out, signs, mix, use_mix, pow2, inverse, norm):
-    """out[v] = H (s * x[v]) or s * (H^T x[v]) / norm, with H = mix (x) H_pow2.
+def rotate_rows(x, out, signs, mix, use_mix, pow2, inverse, divisor, read_order, write_order):
+    """out[v, k] = y[write_order[k]] / divisor, y = H (s * x'[v]) or s * (H^T x'[v]),
+    x'[v, i] = x[v, read_order[i]], H = mix (x) H_pow2.
 
     x, out: float32 [N, d]. Arithmetic in float64, rounded once to float32.
+    The orders let attention read and write the int4 storage order, and
+    divisor fold in the norm and softmax scale, in the same pass.
     """
     num_vectors, d = x.shape
     rows = d // pow2
     for v in prange(num_vectors):
         buf = np.empty(d, np.float64)
         for i in range(d):
-            buf[i] = x[v, i] if inverse else x[v, i] * signs[i]
+            value = np.float64(x[v, read_order[i]])
+            buf[i] = value if inverse else value * signs[i]
         _fwht_rows(buf, rows, pow2)
         if use_mix:
             mixed = np.zeros(d, np.float64)
@@ -66,8 +83,11 @@ def rotate_rows(x, out, signs, mix, use_mix, pow2, inverse, norm):
                     for j in range(pow2):
                         mixed[r * pow2 + j] += weight * buf[a * pow2 + j]
             buf = mixed
-        for i in range(d):
-            out[v, i] = buf[i] * signs[i] / norm if inverse else buf[i]
+        if inverse:
+            for i in range(d):
+                buf[i] *= signs[i]
+        for k in range(d):
+            out[v, k] = buf[write_order[k]] / divisor
 
 
 # --- quantization (float32, FORMAT.md's order, no fast-math) --------------
@@ -366,34 +386,54 @@ def _exp_nonpositive(x):
 
 
 @njit(fastmath=ATTENTION_FASTMATH, cache=True)
-def _softmax_numerators(scores, count, softcap, sinks, has_sinks, denominator):
-    """scores[g, :count] -> exp(logit - max); denominator[g] = their sum (+ the sink's)."""
+def _softmax_numerators(scores, visible_from, visible_to, softcap, sinks, denominator):
+    """Row g of scores sees columns visible_from[g] .. visible_to[g] - 1: those become
+    exp(logit - max), the others up to the last visible column of any row 0, and
+    denominator[g] = the sum of row g (with exp(sink - max) if sinks has a row g).
+
+    Each row's loops run over a view from its first visible column, so that
+    their indices start at 0: LLVM vectorises them only when it can prove an
+    index non-negative.
+    """
+    width = visible_to.max()
     for g in range(scores.shape[0]):
+        row = scores[g, :width]
+        for j in range(visible_from[g]):
+            row[j] = 0.0
+        visible = scores[g, visible_from[g]:visible_to[g]]
+        tail = scores[g, visible_to[g]:width]
+        for j in range(tail.shape[0]):
+            tail[j] = 0.0
         if softcap > 0:
-            for j in range(count):
-                scores[g, j] = softcap * np.tanh(scores[g, j] / softcap)
-        top = _max(scores[g, :count])
-        if has_sinks:
+            for j in range(visible.shape[0]):
+                visible[j] = softcap * np.tanh(visible[j] / softcap)
+        top = _max(visible)
+        if sinks.shape[0]:
             top = max(top, sinks[g])
         total = np.float32(0.0)
-        for j in range(count):
-            scores[g, j] = _exp_nonpositive(scores[g, j] - top)
-            total += scores[g, j]
-        if has_sinks:
+        for j in range(visible.shape[0]):
+            visible[j] = _exp_nonpositive(visible[j] - top)
+            total += visible[j]
+        if sinks.shape[0]:
             total += np.exp(sinks[g] - top)   # mass without a value
         denominator[g] = total
 
 
 @njit(parallel=True, fastmath=ATTENTION_FASTMATH, cache=True)
 def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has_scales,
-                    mode, table, block_table, seq_lens, cu_seqlens_q, token_seq,
+                    mode, table, block_table, seq_lens, cu_seqlens_q, token_seq, run_starts,
                     sliding_window, softcap, sinks, has_sinks, out, lanes):
     """Causal paged attention in the rotated, storage-ordered domain.
 
     query, out: float32 [T, Hq, d]; query is already rotated, permuted to
     storage order and multiplied by softmax_scale / rotation norm.
-    One work item is (query token, KV head): it serves the whole GQA group,
-    so each K/V row is decoded once for all query heads that read it.
+    run_starts: int32 [R + 1]; run r is query tokens run_starts[r] ..
+    run_starts[r + 1] - 1, consecutive tokens of one sequence.
+
+    One work item is (run, KV head). It decodes each K/V row it needs once,
+    for every query head of its GQA group and every token of its run: the
+    run's (token, head) pairs are the rows of its query matrix. A token's
+    causal mask and sliding window become the range of columns its rows see.
 
     `lanes` workers (one per thread) claim items one at a time from a shared
     counter rather than taking a fixed share: items differ in cost (a varlen
@@ -401,54 +441,76 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
     machine (on a 2-core VM one core ran this kernel 1.3x slower than the
     other, and which one changed from minute to minute).
     """
-    num_tokens, num_heads, d = query.shape
+    num_heads, d = query.shape[1], query.shape[2]
     block_size = key_data.shape[1]
     num_kv_heads = key_data.shape[2]
     group = num_heads // num_kv_heads
-    num_items = num_tokens * num_kv_heads
+    num_items = (run_starts.shape[0] - 1) * num_kv_heads
     next_item = np.zeros(1, np.int64)
     for lane in prange(lanes):
         while True:
             item = _fetch_add(next_item, 1)
             if item >= num_items:
                 break
-            token = item // num_kv_heads
+            run = item // num_kv_heads
             kv_head = item % num_kv_heads
-            heads = slice(kv_head * group, (kv_head + 1) * group)
-            q = query[token, heads].copy()   # contiguous, so that its loops vectorise
-            seq = token_seq[token]
-            position = seq_lens[seq] - cu_seqlens_q[seq + 1] + token
-            first = 0 if sliding_window <= 0 else max(0, position - sliding_window + 1)
-            end = position + 1
-            count = end - first
+            first_token = run_starts[run]
+            run_length = run_starts[run + 1] - first_token
+            seq = token_seq[first_token]
+            # Position of the run's first token in its sequence.
+            first_position = seq_lens[seq] - cu_seqlens_q[seq + 1] + first_token
+
+            # Query rows t * group + g: token first_token + t, head kv_head * group + g.
+            q_rows = run_length * group
+            q = np.empty((q_rows, d), np.float32)   # contiguous, so that its loops vectorise
+            visible_from = np.empty(q_rows, np.int64)
+            visible_to = np.empty(q_rows, np.int64)
+            sink_rows = np.empty(q_rows if has_sinks else 0, np.float32)
+            window_start = 0 if sliding_window <= 0 else max(0, first_position - sliding_window + 1)
+            end = first_position + run_length   # one past the last token's position
+            for t in range(run_length):
+                position = first_position + t
+                first = 0 if sliding_window <= 0 else max(0, position - sliding_window + 1)
+                for g in range(group):
+                    row = t * group + g
+                    head = kv_head * group + g
+                    for i in range(d):
+                        q[row, i] = query[first_token + t, head, i]
+                    visible_from[row] = first - window_start
+                    visible_to[row] = position + 1 - window_start
+                    if has_sinks:
+                        sink_rows[row] = sinks[head]
+            count = end - window_start
 
             # Room for the rows of a last partial tile; zeros, so that they are finite.
             rows = np.zeros((CHUNK + 2 * TILE, d), np.float32)
             nibbles = rows.reshape((CHUNK + 2 * TILE, 2, d // 2))
             scales = np.empty(CHUNK + 2 * TILE, np.float32)
             zero_points = np.empty(CHUNK + 2 * TILE, np.float32)
-            scores = np.empty((group, count + 2 * TILE), np.float32)
+            scores = np.empty((q_rows, count + 2 * TILE), np.float32)
 
-            start = first
+            start = window_start
             while start < end:
                 block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
                 _decode_chunk(mode, key_data, k_scale_bits, has_scales, table, block, offset, n,
                               kv_head, rows, nibbles, scales, zero_points)
-                _score_chunk(q, rows, n, scales, scores, start - first)
+                _score_chunk(q, rows, n, scales, scores, start - window_start)
                 start += n
 
-            denominator = np.empty(group, np.float32)
-            _softmax_numerators(scores, count, softcap, sinks[heads], has_sinks, denominator)
+            denominator = np.empty(q_rows, np.float32)
+            _softmax_numerators(scores, visible_from, visible_to, softcap, sink_rows, denominator)
 
-            acc = np.zeros((group, d), np.float32)
-            start = first
+            acc = np.zeros((q_rows, d), np.float32)
+            start = window_start
             while start < end:
                 block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
                 _decode_chunk(mode, value_data, v_scale_bits, has_scales, table, block, offset, n,
                               kv_head, rows, nibbles, scales, zero_points)
-                _accumulate_chunk(scores, start - first, rows, n, scales, acc)
+                _accumulate_chunk(scores, start - window_start, rows, n, scales, acc)
                 start += n
-            for g in range(group):
-                inv = np.float32(1.0) / denominator[g]
-                for i in range(d):
-                    out[token, kv_head * group + g, i] = acc[g, i] * inv
+            for t in range(run_length):
+                for g in range(group):
+                    row = t * group + g
+                    inv = np.float32(1.0) / denominator[row]
+                    for i in range(d):
+                        out[first_token + t, kv_head * group + g, i] = acc[row, i] * inv
