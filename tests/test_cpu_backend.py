@@ -16,6 +16,7 @@ import pytest
 
 import kvcupy as kc
 from kvcupy import reference
+from kvcupy.backends import cpu
 from kvcupy.rotation import kron_factors
 
 from .helpers import BLOCK_SIZES, HEAD_SIZES, KV_DTYPES, paged_batch, relative_error
@@ -148,6 +149,30 @@ def test_attention_gqa_and_mqa(num_heads, num_kv_heads):
                                        kc.rotation_plan(96), num_heads=num_heads,
                                        num_kv_heads=num_kv_heads)
     assert relative_error(out, expected) <= ATTENTION_RTOL
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (16, 1)])
+@pytest.mark.parametrize("features", ["plain", "all"])
+def test_every_row_of_a_prefill_run_matches(num_heads, num_kv_heads, features):
+    """A work item serves a run of query tokens (up to 32 // group of them);
+    each (token, head) row must match on its own, whatever its place in a run."""
+    out, expected = run_attention_case("int4_per_token_head", 96, 16, FEATURES[features],
+                                       kc.rotation_plan(96), num_heads=num_heads,
+                                       num_kv_heads=num_kv_heads, seed=5)
+    row_error = (np.linalg.norm(out - expected, axis=-1)
+                 / np.linalg.norm(expected, axis=-1))
+    assert row_error.max() <= ATTENTION_RTOL, f"worst row error {row_error.max():.1e}"
+
+
+@pytest.mark.parametrize(("cu_seqlens_q", "seq_lens", "group", "expected"), [
+    ([0, 1, 2], [5, 7], 4, [0, 1, 2]),               # decode: a run per sequence
+    ([0, 10, 13], [10, 20], 4, [0, 8, 10, 13]),      # 8 tokens x 4 heads a run; runs stop at sequences
+    ([0, 0, 3], [0, 20], 1, [0, 3]),                 # a sequence without queries has no run
+    ([0, 40], [40], 64, [0] + list(range(1, 41))),   # a group of 64: one token a run
+])
+def test_query_runs(cu_seqlens_q, seq_lens, group, expected):
+    runs = cpu.query_runs(np.array(cu_seqlens_q), np.array(seq_lens), group)
+    assert runs.tolist() == expected
 
 
 @pytest.mark.parametrize("query_dtype", [np.float16, ml_dtypes.bfloat16])
