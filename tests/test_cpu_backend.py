@@ -11,12 +11,14 @@ rounding error is a few 2^-24 times sqrt(terms), far below 1e-5.
 from dataclasses import replace
 
 import ml_dtypes
+import numba
 import numpy as np
 import pytest
 
 import kvcupy as kc
 from kvcupy import reference
-from kvcupy.backends import cpu
+from kvcupy import formats
+from kvcupy.backends import cpu, cpu_kernels
 from kvcupy.rotation import kron_factors
 
 from .helpers import BLOCK_SIZES, HEAD_SIZES, KV_DTYPES, paged_batch, relative_error
@@ -103,11 +105,11 @@ FEATURES = {
 
 
 def run_attention_case(kv_dtype, head_size, block_size, features, plan, seed=0,
-                       num_heads=8, num_kv_heads=2, query_dtype=np.float32):
+                       num_heads=8, num_kv_heads=2, query_dtype=np.float32, cache_dtype="float16"):
     rng = np.random.default_rng(seed)
     # Decode, a prefill with history, and a fresh prefill, in one varlen batch.
     batch = paged_batch(rng, [3 * block_size + 3, 41, 17], [1, 6, 17], block_size)
-    cache = fresh_cache(batch, block_size, num_kv_heads, head_size, kv_dtype, plan)
+    cache = fresh_cache(batch, block_size, num_kv_heads, head_size, kv_dtype, plan, cache_dtype)
     kv_shape = (batch.num_tokens, num_kv_heads, head_size)
     key = (rng.standard_normal(kv_shape) * 2).astype(np.float16)
     value = rng.standard_normal(kv_shape).astype(np.float16)
@@ -173,6 +175,16 @@ def test_every_row_of_a_prefill_run_matches(num_heads, num_kv_heads, features):
 def test_query_runs(cu_seqlens_q, seq_lens, group, expected):
     runs = cpu.query_runs(np.array(cu_seqlens_q), np.array(seq_lens), group)
     assert runs.tolist() == expected
+
+
+@pytest.mark.parametrize("cache_dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4_per_token_head"])
+def test_attention_over_each_model_dtype(kv_dtype, cache_dtype):
+    """An "auto" cache stores the model dtype (decoded from its bits by the kernel); a
+    quantized cache's scales are float32 whatever the model dtype."""
+    plan = kc.rotation_plan(128, "none" if kv_dtype == "auto" else "blockdiag")
+    out, expected = run_attention_case(kv_dtype, 128, 16, FEATURES["all"], plan, cache_dtype=cache_dtype)
+    assert relative_error(out, expected) <= ATTENTION_RTOL, f"{kv_dtype} {cache_dtype}"
 
 
 @pytest.mark.parametrize("query_dtype", [np.float16, ml_dtypes.bfloat16])
@@ -258,3 +270,32 @@ def test_long_decode_stays_within_1e5(kv_dtype):
     error = relative_error(kc.paged_attention(query, cache, **args),
                            reference.paged_attention(query, cache, **args))
     assert error <= ATTENTION_RTOL, f"{kv_dtype}: {error:.2e}"
+
+
+def test_small_float_decoders_match_every_code():
+    """The kernels decode fp8 and 16-bit floats in integer arithmetic; each code
+    must give exactly the float32 that ml_dtypes / NumPy give (NaNs as NaNs)."""
+    codes8 = np.arange(256, dtype=np.int64)
+    codes16 = np.arange(65536, dtype=np.int64)
+    cases = [
+        (cpu_kernels.e4m3fn_to_float32, codes8, formats.fp8_decode_table()),
+        (cpu_kernels.float16_to_float32, codes16,
+         codes16.astype(np.uint16).view(np.float16).astype(np.float32)),
+        (cpu_kernels.bfloat16_to_float32, codes16,
+         codes16.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)),
+    ]
+    for decode, codes, expected in cases:
+        decoded = decode_all(decode, codes)
+        nan = np.isnan(expected)
+        assert np.array_equal(np.isnan(decoded), nan), decode.__name__
+        assert np.array_equal(decoded[~nan].view(np.uint32), expected[~nan].view(np.uint32)), decode.__name__
+
+
+def decode_all(decode, codes):
+    @numba.njit
+    def run(codes):
+        out = np.empty(codes.shape[0], np.float32)
+        for i in range(codes.shape[0]):
+            out[i] = decode(codes[i])
+        return out
+    return run(codes)

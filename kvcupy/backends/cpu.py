@@ -2,7 +2,7 @@
 
 Arguments arrive validated (ops.py) as NumPy arrays. This module turns them
 into what the kernels take: float32 working copies, byte views of the cache,
-decode tables, and the int4 storage-order permutation.
+the decode mode, and the int4 storage-order permutation.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 
-import ml_dtypes
 import numba
 import numpy as np
 
@@ -127,29 +126,19 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, cache, slot_mapping: n
 
 # --- read path ------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _decode_table(kind: str) -> np.ndarray:
-    """float32 value of every code of a table-decoded storage type."""
-    if kind == "fp8":
-        return formats.fp8_decode_table()
-    dtype = np.float16 if kind == "float16" else ml_dtypes.bfloat16
-    return np.arange(65536, dtype=np.uint16).view(dtype).astype(np.float32)
-
-
-_NO_TABLE = np.zeros(1, np.float32)
 _NO_SCALES = np.zeros((1, 1, 1), np.uint32)
 
 
-def _decode_plan(cache) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-    """(decode mode, table, K data view, V data view) the attention kernel reads."""
+def _decode_plan(cache) -> tuple[int, np.ndarray, np.ndarray]:
+    """(decode mode, K data view, V data view) the attention kernel reads."""
     if cache.kv_dtype == "int4_per_token_head":
-        return kernels.DECODE_INT4, _NO_TABLE, cache.key_cache, cache.value_cache
+        return kernels.DECODE_INT4, cache.key_cache, cache.value_cache
     if cache.kv_dtype == "fp8_per_token_head":
-        return kernels.DECODE_TABLE, _decode_table("fp8"), cache.key_cache, cache.value_cache
+        return kernels.DECODE_FP8, cache.key_cache, cache.value_cache
     if cache.kv_dtype == "int8_per_token_head" or cache.key_cache.dtype == np.float32:
-        return kernels.DECODE_LINEAR, _NO_TABLE, cache.key_cache, cache.value_cache
-    table = _decode_table(cache.key_cache.dtype.name)
-    return kernels.DECODE_TABLE, table, cache.key_cache.view(np.uint16), cache.value_cache.view(np.uint16)
+        return kernels.DECODE_LINEAR, cache.key_cache, cache.value_cache
+    mode = kernels.DECODE_FP16 if cache.key_cache.dtype == np.float16 else kernels.DECODE_BF16
+    return mode, cache.key_cache.view(np.uint16), cache.value_cache.view(np.uint16)
 
 
 def _inverse_permutation(order: np.ndarray) -> np.ndarray:
@@ -201,7 +190,7 @@ def paged_attention(query: np.ndarray, cache, *, block_table, seq_lens, cu_seqle
             q = q[..., order]
     q = np.ascontiguousarray(q)
 
-    mode, table, key_data, value_data = _decode_plan(cache)
+    mode, key_data, value_data = _decode_plan(cache)
     has_scales = cache.k_scale_cache is not None
     k_bits = cache.k_scale_cache.view(np.uint32) if has_scales else _NO_SCALES
     v_bits = cache.v_scale_cache.view(np.uint32) if has_scales else _NO_SCALES
@@ -214,7 +203,7 @@ def paged_attention(query: np.ndarray, cache, *, block_table, seq_lens, cu_seqle
     query_lens = np.diff(cu_seqlens_q)
     values_read = int(np.dot(query_lens, seq_lens)) * key_data.shape[2] * cache.head_size
     with _threads_for(values_read):
-        kernels.paged_attention(q, key_data, value_data, k_bits, v_bits, has_scales, mode, table,
+        kernels.paged_attention(q, key_data, value_data, k_bits, v_bits, has_scales, mode,
                                 block_table, seq_lens, cu_seqlens_q, token_seq,
                                 query_runs(cu_seqlens_q, seq_lens, q.shape[1] // key_data.shape[2]),
                                 int(sliding_window or 0), np.float32(softcap), sink_logits,

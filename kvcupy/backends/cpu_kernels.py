@@ -19,10 +19,12 @@ from numba.extending import intrinsic
 # sink logits may be infinite.
 ATTENTION_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
-# How a stored row decodes (one code path per family, chosen per row, never per value).
+# How a stored row decodes (one code path per storage type, chosen per chunk, never per value).
 DECODE_INT4 = 0     # packed nibbles, (code - zero_point) * scale'
 DECODE_LINEAR = 1   # value * scale (int8, float32 "auto")
-DECODE_TABLE = 2    # table[code] * scale (fp8, float16/bfloat16 "auto" read as uint16)
+DECODE_FP8 = 2      # e4m3fn bits * scale
+DECODE_FP16 = 3     # float16 "auto", read as uint16 bits
+DECODE_BF16 = 4     # bfloat16 "auto", read as uint16 bits
 
 QUANT_INT4, QUANT_INT8, QUANT_FP8 = 0, 1, 2
 
@@ -228,11 +230,65 @@ def _convert(data, block, offset, n, head, rows):
             rows[r, i] = np.float32(data[block, offset + r, head, i])
 
 
+# The small-float decoders below move the bits into float32's places in int32
+# arithmetic, with selects for the special cases, so that a row decodes as
+# vector instructions; a 256- or 65536-entry lookup table would be a gather
+# per value.
+
+@njit(cache=True, inline="always")
+def e4m3fn_to_float32(code):
+    """float32 value of an e4m3fn code (0..255)."""
+    x = np.int32(code)
+    magnitude = np.int32(x & np.int32(0x7F))
+    sign = np.int32(np.int32(x & np.int32(0x80)) << np.int32(24))
+    # Exponent (bias 7) and 3 mantissa bits shift into float32's fields (bias 127).
+    normal = np.int32(np.int32(magnitude << np.int32(20)) + np.int32(120 << 23))
+    # Exponent field 0: subnormal, mantissa * 2^-9 (exact in float32).
+    subnormal = np.float32(np.float32(magnitude) * np.float32(2.0 ** -9)).view(np.int32)
+    bits = normal if magnitude >= np.int32(8) else subnormal
+    bits = np.int32(0x7FC00000) if magnitude == np.int32(0x7F) else bits   # e4m3fn's only NaN
+    return np.int32(bits | sign).view(np.float32)
+
+
+@njit(cache=True, inline="always")
+def float16_to_float32(code):
+    """float32 value of IEEE half-precision bits (0..65535)."""
+    x = np.int32(code)
+    magnitude = np.int32(x & np.int32(0x7FFF))
+    sign = np.int32(np.int32(x & np.int32(0x8000)) << np.int32(16))
+    normal = np.int32(np.int32(magnitude << np.int32(13)) + np.int32(112 << 23))
+    subnormal = np.float32(np.float32(magnitude) * np.float32(2.0 ** -24)).view(np.int32)
+    special = np.int32(np.int32(magnitude << np.int32(13)) | np.int32(0x7F800000))   # inf, NaN
+    bits = normal if magnitude >= np.int32(0x400) else subnormal
+    bits = special if magnitude >= np.int32(0x7C00) else bits
+    return np.int32(bits | sign).view(np.float32)
+
+
+@njit(cache=True, inline="always")
+def bfloat16_to_float32(code):
+    """float32 value of bfloat16 bits (0..65535): they are float32's upper half."""
+    return np.int32(np.int32(code) << np.int32(16)).view(np.float32)
+
+
 @njit(fastmath=ATTENTION_FASTMATH, cache=True)
-def _lookup(data, table, block, offset, n, head, rows):
+def _decode_fp8(data, block, offset, n, head, rows):
     for r in range(n):
         for i in range(rows.shape[1]):
-            rows[r, i] = table[np.int32(data[block, offset + r, head, i])]
+            rows[r, i] = e4m3fn_to_float32(data[block, offset + r, head, i])
+
+
+@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+def _decode_fp16(data, block, offset, n, head, rows):
+    for r in range(n):
+        for i in range(rows.shape[1]):
+            rows[r, i] = float16_to_float32(data[block, offset + r, head, i])
+
+
+@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+def _decode_bf16(data, block, offset, n, head, rows):
+    for r in range(n):
+        for i in range(rows.shape[1]):
+            rows[r, i] = bfloat16_to_float32(data[block, offset + r, head, i])
 
 
 @njit(cache=True, inline="always")
@@ -242,7 +298,7 @@ def _bits_to_float(bits):
 
 # Inlined: as a call, it would update its arrays' reference counts on every chunk.
 @njit(cache=True, inline="always")
-def _decode_chunk(mode, data, scale_bits, has_scales, table, block, offset, n, head,
+def _decode_chunk(mode, data, scale_bits, has_scales, block, offset, n, head,
                   rows, nibbles, scales, zero_points):
     """Decode stored rows offset .. offset+n-1 of one block into rows[:n] (float32
     [CHUNK + 2 * TILE, d]; nibbles is the same buffer seen as [rows, 2, d/2]), in
@@ -270,8 +326,12 @@ def _decode_chunk(mode, data, scale_bits, has_scales, table, block, offset, n, h
         _unpack_int4(data, block, offset, n, head, zero_points, nibbles)
     elif mode == DECODE_LINEAR:
         _convert(data, block, offset, n, head, rows)
+    elif mode == DECODE_FP8:
+        _decode_fp8(data, block, offset, n, head, rows)
+    elif mode == DECODE_FP16:
+        _decode_fp16(data, block, offset, n, head, rows)
     else:
-        _lookup(data, table, block, offset, n, head, rows)
+        _decode_bf16(data, block, offset, n, head, rows)
 
 
 @njit(fastmath=ATTENTION_FASTMATH, cache=True, inline="always")
@@ -421,7 +481,7 @@ def _softmax_numerators(scores, visible_from, visible_to, softcap, sinks, denomi
 
 @njit(parallel=True, fastmath=ATTENTION_FASTMATH, cache=True)
 def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has_scales,
-                    mode, table, block_table, seq_lens, cu_seqlens_q, token_seq, run_starts,
+                    mode, block_table, seq_lens, cu_seqlens_q, token_seq, run_starts,
                     sliding_window, softcap, sinks, has_sinks, out, lanes):
     """Causal paged attention in the rotated, storage-ordered domain.
 
@@ -492,7 +552,7 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
             start = window_start
             while start < end:
                 block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
-                _decode_chunk(mode, key_data, k_scale_bits, has_scales, table, block, offset, n,
+                _decode_chunk(mode, key_data, k_scale_bits, has_scales, block, offset, n,
                               kv_head, rows, nibbles, scales, zero_points)
                 _score_chunk(q, rows, n, scales, scores, start - window_start)
                 start += n
@@ -504,7 +564,7 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
             start = window_start
             while start < end:
                 block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
-                _decode_chunk(mode, value_data, v_scale_bits, has_scales, table, block, offset, n,
+                _decode_chunk(mode, value_data, v_scale_bits, has_scales, block, offset, n,
                               kv_head, rows, nibbles, scales, zero_points)
                 _accumulate_chunk(scores, start - window_start, rows, n, scales, acc)
                 start += n
