@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 # Reassociation lets LLVM vectorise reductions; no nnan/ninf, since masked and
@@ -180,6 +182,32 @@ def _fetch_add(typingctx, counter, increment):
         array = context.make_array(sig.args[0])(context, builder, args[0])
         delta = context.cast(builder, args[1], sig.args[1], types.int64)
         return builder.atomic_rmw("add", array.data, delta, "seq_cst")
+
+    return signature, codegen
+
+
+@intrinsic
+def _prefetch_row(typingctx, data, block, row, head):
+    """Hint that data[block, row, head] (a 4-D cache) will be read soon: LLVM's
+    prefetch, for reading, into all cache levels."""
+    if not (isinstance(data, types.Array) and data.ndim == 4):
+        return None
+    signature = types.void(data, types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):
+        array = context.make_array(sig.args[0])(context, builder, args[0])
+        indices = [context.cast(builder, value, fromty, types.intp)
+                   for value, fromty in zip(args[1:], sig.args[1:])]
+        pointer = cgutils.get_item_pointer(context, builder, sig.args[0], array,
+                                           indices + [context.get_constant(types.intp, 0)],
+                                           wraparound=False)
+        byte_pointer = ir.IntType(8).as_pointer()
+        int32 = ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]),
+            "llvm.prefetch.p0i8")
+        builder.call(prefetch, [builder.bitcast(pointer, byte_pointer), int32(0), int32(3), int32(1)])
+        return context.get_dummy_value()
 
     return signature, codegen
 
@@ -414,6 +442,24 @@ def _chunk_at(block_table, seq, block_size, position, end):
     return block_table[seq, page], offset, n
 
 
+# Rows ahead of the one being decoded whose cache lines are requested early:
+# a head's rows lie a whole row of all heads apart, and a block's rows span
+# few enough of them per 4 KiB page that the hardware prefetchers barely
+# follow. Measured on a 2-core AVX2 machine, 8 x 4096-token decode, medians
+# of paired calls with and without, two runs: fp8 9-20% and fp16 7-8% faster,
+# int8 within 1%, int4 (compute-bound, a quarter of the bytes) 2% slower, so
+# int4 skips it.
+PREFETCH_ROWS = 2 * CHUNK
+
+
+@njit(cache=True, inline="always")
+def _prefetch_chunk(mode, data, block_table, seq, block_size, position, end, head):
+    if mode != DECODE_INT4 and position < end:
+        block, offset, n = _chunk_at(block_table, seq, block_size, position, end)
+        for r in range(n):
+            _prefetch_row(data, block, offset + r, head)
+
+
 @njit(fastmath=ATTENTION_FASTMATH, cache=True)
 def _max(x):
     """max(x) of float32 values, taken over int32 keys that order like them: an
@@ -552,6 +598,7 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
             start = window_start
             while start < end:
                 block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
+                _prefetch_chunk(mode, key_data, block_table, seq, block_size, start + PREFETCH_ROWS, end, kv_head)
                 _decode_chunk(mode, key_data, k_scale_bits, has_scales, block, offset, n,
                               kv_head, rows, nibbles, scales, zero_points)
                 _score_chunk(q, rows, n, scales, scores, start - window_start)
@@ -564,6 +611,7 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
             start = window_start
             while start < end:
                 block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
+                _prefetch_chunk(mode, value_data, block_table, seq, block_size, start + PREFETCH_ROWS, end, kv_head)
                 _decode_chunk(mode, value_data, v_scale_bits, has_scales, block, offset, n,
                               kv_head, rows, nibbles, scales, zero_points)
                 _accumulate_chunk(scores, start - window_start, rows, n, scales, acc)
