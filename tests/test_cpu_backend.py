@@ -299,3 +299,16 @@ def decode_all(decode, codes):
             out[i] = decode(codes[i])
         return out
     return run(codes)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "fp8_per_token_head"])
+def test_all_threads_share_the_work_items(kv_dtype, monkeypatch):
+    """Small calls run on one thread; this one takes the parallel path, where
+    every thread claims (run, KV head) items from one atomic counter. An item
+    no thread claimed would leave its rows as uninitialised memory."""
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_VALUES", 0)
+    assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
+    out, expected = run_attention_case(kv_dtype, 80, 16, FEATURES["all"], kc.rotation_plan(80),
+                                       num_heads=12, num_kv_heads=3, seed=8)
+    row_error = np.linalg.norm(out - expected, axis=-1) / np.linalg.norm(expected, axis=-1)
+    assert row_error.max() <= ATTENTION_RTOL
