@@ -264,32 +264,44 @@ def _convert(data, block, offset, n, head, rows):
 # per value.
 
 @njit(cache=True, inline="always")
+def _small_float_to_float32(code, exponent_bits, mantissa_bits, ieee_specials):
+    """float32 value of a sign | exponent | mantissa code, exponent bias 2^(exponent_bits-1) - 1.
+
+    A normal number's exponent and mantissa shift into float32's fields, the
+    bias difference added to the exponent; exponent 0 is subnormal, mantissa
+    * 2^(1 - bias - mantissa_bits), exact in float32. An all-ones exponent is
+    inf or NaN in IEEE formats (ieee_specials); the "fn" formats have no inf
+    and their one NaN magnitude is all ones.
+    """
+    x = np.int32(code)
+    sign_shift = exponent_bits + mantissa_bits
+    all_ones = np.int32((1 << sign_shift) - 1)
+    magnitude = np.int32(x & all_ones)
+    sign = np.int32(np.int32(x >> sign_shift) << np.int32(31))
+    bias = (1 << (exponent_bits - 1)) - 1
+    to_float32 = np.int32(23 - mantissa_bits)
+    normal = np.int32(np.int32(magnitude << to_float32) + np.int32((127 - bias) << 23))
+    subnormal_step = np.int32((128 - bias - mantissa_bits) << 23).view(np.float32)
+    subnormal = np.float32(np.float32(magnitude) * subnormal_step).view(np.int32)
+    bits = normal if magnitude >= np.int32(1 << mantissa_bits) else subnormal
+    if ieee_specials:
+        special = np.int32(np.int32(magnitude << to_float32) | np.int32(0x7F800000))
+        bits = special if magnitude >= np.int32(((1 << exponent_bits) - 1) << mantissa_bits) else bits
+    else:
+        bits = np.int32(0x7FC00000) if magnitude == all_ones else bits
+    return np.int32(bits | sign).view(np.float32)
+
+
+@njit(cache=True, inline="always")
 def e4m3fn_to_float32(code):
     """float32 value of an e4m3fn code (0..255)."""
-    x = np.int32(code)
-    magnitude = np.int32(x & np.int32(0x7F))
-    sign = np.int32(np.int32(x & np.int32(0x80)) << np.int32(24))
-    # Exponent (bias 7) and 3 mantissa bits shift into float32's fields (bias 127).
-    normal = np.int32(np.int32(magnitude << np.int32(20)) + np.int32(120 << 23))
-    # Exponent field 0: subnormal, mantissa * 2^-9 (exact in float32).
-    subnormal = np.float32(np.float32(magnitude) * np.float32(2.0 ** -9)).view(np.int32)
-    bits = normal if magnitude >= np.int32(8) else subnormal
-    bits = np.int32(0x7FC00000) if magnitude == np.int32(0x7F) else bits   # e4m3fn's only NaN
-    return np.int32(bits | sign).view(np.float32)
+    return _small_float_to_float32(code, 4, 3, False)
 
 
 @njit(cache=True, inline="always")
 def float16_to_float32(code):
     """float32 value of IEEE half-precision bits (0..65535)."""
-    x = np.int32(code)
-    magnitude = np.int32(x & np.int32(0x7FFF))
-    sign = np.int32(np.int32(x & np.int32(0x8000)) << np.int32(16))
-    normal = np.int32(np.int32(magnitude << np.int32(13)) + np.int32(112 << 23))
-    subnormal = np.float32(np.float32(magnitude) * np.float32(2.0 ** -24)).view(np.int32)
-    special = np.int32(np.int32(magnitude << np.int32(13)) | np.int32(0x7F800000))   # inf, NaN
-    bits = normal if magnitude >= np.int32(0x400) else subnormal
-    bits = special if magnitude >= np.int32(0x7C00) else bits
-    return np.int32(bits | sign).view(np.float32)
+    return _small_float_to_float32(code, 5, 10, True)
 
 
 @njit(cache=True, inline="always")
