@@ -465,11 +465,19 @@ PREFETCH_ROWS = 2 * CHUNK
 
 
 @njit(cache=True, inline="always")
-def _prefetch_chunk(mode, data, block_table, seq, block_size, position, end, head):
-    if mode != DECODE_INT4 and position < end:
-        block, offset, n = _chunk_at(block_table, seq, block_size, position, end)
+def _load_chunk(mode, data, scale_bits, has_scales, block_table, seq, block_size, start, end, head,
+                rows, nibbles, scales, zero_points):
+    """Decode the chunk of rows from position `start` (see _chunk_at, _decode_chunk)
+    and prefetch the one PREFETCH_ROWS further; returns the chunk's row count."""
+    ahead = start + PREFETCH_ROWS
+    if mode != DECODE_INT4 and ahead < end:
+        block, offset, n = _chunk_at(block_table, seq, block_size, ahead, end)
         for r in range(n):
             _prefetch_row(data, block, offset + r, head)
+    block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
+    _decode_chunk(mode, data, scale_bits, has_scales, block, offset, n, head,
+                  rows, nibbles, scales, zero_points)
+    return n
 
 
 @njit(fastmath=ATTENTION_FASTMATH, cache=True)
@@ -609,10 +617,8 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
 
             start = window_start
             while start < end:
-                block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
-                _prefetch_chunk(mode, key_data, block_table, seq, block_size, start + PREFETCH_ROWS, end, kv_head)
-                _decode_chunk(mode, key_data, k_scale_bits, has_scales, block, offset, n,
-                              kv_head, rows, nibbles, scales, zero_points)
+                n = _load_chunk(mode, key_data, k_scale_bits, has_scales, block_table, seq, block_size,
+                                start, end, kv_head, rows, nibbles, scales, zero_points)
                 _score_chunk(q, rows, n, scales, scores, start - window_start)
                 start += n
 
@@ -622,10 +628,8 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
             acc = np.zeros((q_rows, d), np.float32)
             start = window_start
             while start < end:
-                block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
-                _prefetch_chunk(mode, value_data, block_table, seq, block_size, start + PREFETCH_ROWS, end, kv_head)
-                _decode_chunk(mode, value_data, v_scale_bits, has_scales, block, offset, n,
-                              kv_head, rows, nibbles, scales, zero_points)
+                n = _load_chunk(mode, value_data, v_scale_bits, has_scales, block_table, seq, block_size,
+                                start, end, kv_head, rows, nibbles, scales, zero_points)
                 _accumulate_chunk(scores, start - window_start, rows, n, scales, acc)
                 start += n
             for t in range(run_length):
