@@ -67,3 +67,26 @@ def test_torch_tensors_round_trip():
     bf16 = torch.randn(3, 64).to(torch.bfloat16)
     rotated = kc.rotate(bf16, kc.rotation_plan(64))
     assert rotated.dtype == torch.bfloat16
+
+
+def test_jax_arrays_go_in_and_the_result_comes_back_as_jax():
+    """JAX arrays are immutable, so a cache cannot live in one; everything read
+    (K/V to write, the query, the batch description) may be JAX, and the
+    output comes back as a JAX array, bfloat16 included."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    rng = np.random.default_rng(2)
+    batch = paged_batch(rng, [30, 3], [2, 3], 16)
+    cache = kc.allocate_cache(batch.num_blocks, 16, 2, 64)
+    reference_cache = kc.allocate_cache(batch.num_blocks, 16, 2, 64)
+    kv = rng.standard_normal((batch.num_tokens, 2, 64)).astype(np.float32)
+    kc.reshape_and_cache(jnp.asarray(kv), jnp.asarray(kv), cache, jnp.asarray(batch.slot_mapping))
+    kc.reshape_and_cache(kv, kv, reference_cache, batch.slot_mapping)
+    np.testing.assert_array_equal(cache.key_cache, reference_cache.key_cache)
+    query = rng.standard_normal((batch.num_queries, 4, 64)).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    out = kc.paged_attention(jnp.asarray(query), cache, **{k: jnp.asarray(v) for k, v in args.items()})
+    assert isinstance(out, jax.Array)
+    np.testing.assert_array_equal(np.asarray(out), kc.paged_attention(query, cache, **args))
+    rotated = kc.rotate(jnp.asarray(query, dtype=jnp.bfloat16), kc.rotation_plan(64))
+    assert isinstance(rotated, jax.Array) and rotated.dtype == jnp.bfloat16
