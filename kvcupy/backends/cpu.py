@@ -166,7 +166,7 @@ RUN_SCORES = 1 << 22
 
 def query_runs(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, group: int) -> np.ndarray:
     """int32 [R + 1]: run r is query tokens runs[r] .. runs[r + 1] - 1, all of one sequence."""
-    longest = max(int(seq_lens.max(initial=1)), 1)
+    longest = int(seq_lens.max(initial=1))   # at least 1, also for an empty batch
     tokens_per_run = max(1, min(RUN_QUERY_ROWS // group, RUN_SCORES // (group * longest)))
     starts = [np.arange(begin, end, tokens_per_run)
               for begin, end in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist())]
