@@ -18,7 +18,7 @@ import pytest
 import kvcupy as kc
 from kvcupy import reference
 from kvcupy import formats
-from kvcupy.backends import cpu, cpu_kernels
+from kvcupy.backends import cpu, cpu_kernels, cpu_simd
 from kvcupy.rotation import kron_factors
 
 from .helpers import BLOCK_SIZES, HEAD_SIZES, KV_DTYPES, paged_batch, relative_error
@@ -170,6 +170,39 @@ def test_every_row_of_a_prefill_run_matches(num_heads, num_kv_heads, features):
     assert worst_row_error(out, expected) <= ATTENTION_RTOL
 
 
+@pytest.mark.parametrize("head_size", [40, 72, 100])
+@pytest.mark.parametrize("features", ["plain", "all"])
+def test_int4_head_sizes_outside_the_register_loops(head_size, features):
+    """int4 rows of d / 2 bytes, d / 2 not a multiple of 8, take the generic
+    decode-to-buffer path instead of cpu_simd's loops; it must match as well."""
+    assert (head_size // 2) % cpu_simd.LANES
+    out, expected = run_attention_case("int4_per_token_head", head_size, 16, FEATURES[features],
+                                       kc.rotation_plan(head_size), seed=head_size)
+    assert worst_row_error(out, expected) <= ATTENTION_RTOL
+
+
+@pytest.mark.parametrize("head_span", [1, 2, 3, 4])
+@pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "int8_per_token_head"])
+def test_every_kv_head_span_gives_the_same_rows(kv_dtype, head_span, monkeypatch):
+    """A work item takes a span of KV heads; spans that do and do not divide the
+    head count (4) must give every row, each matching on its own."""
+    monkeypatch.setattr(cpu, "heads_per_item", lambda *args: head_span)
+    out, expected = run_attention_case(kv_dtype, 96, 16, FEATURES["all"], kc.rotation_plan(96),
+                                       num_heads=8, num_kv_heads=4, seed=head_span)
+    assert worst_row_error(out, expected) <= ATTENTION_RTOL
+
+
+@pytest.mark.parametrize(("num_runs", "num_kv_heads", "longest", "lanes", "expected"), [
+    (8, 8, 4096, 2, 8),      # a decode batch: whole rows a work item, 8 items for 2 threads
+    (1, 8, 4096, 2, 2),      # one sequence: spans of 2 heads, so that 2 threads get 2 items each
+    (1, 1, 100, 4, 1),       # never less than one head
+    (64, 8, 1 << 17, 2, 4),  # long sequences: the item's scores stay within SPAN_SCORES floats
+])
+def test_heads_per_item(num_runs, num_kv_heads, longest, lanes, expected):
+    runs = np.arange(num_runs + 1, dtype=np.int32)   # one query token a run
+    assert cpu.heads_per_item(runs, num_kv_heads, 1, longest, lanes) == expected
+
+
 @pytest.mark.parametrize(("cu_seqlens_q", "seq_lens", "group", "expected"), [
     ([0, 1, 2], [5, 7], 4, [0, 1, 2]),               # decode: a run per sequence
     ([0, 10, 13], [10, 20], 4, [0, 8, 10, 13]),      # 8 tokens x 4 heads a run; runs stop at sequences
@@ -308,7 +341,7 @@ def decode_all(decode, codes):
 @pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "fp8_per_token_head"])
 def test_all_threads_share_the_work_items(kv_dtype, monkeypatch):
     """Small calls run on one thread; this one takes the parallel path, where
-    every thread claims (run, KV head) items from one atomic counter. An item
+    every thread claims (run, KV-head span) items from one atomic counter. An item
     no thread claimed would leave its rows as uninitialised memory."""
     monkeypatch.setattr(cpu, "PARALLEL_MIN_VALUES", 0)
     assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS

@@ -173,6 +173,23 @@ def query_runs(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, group: int) -> np
     return np.append(np.concatenate(starts or [np.empty(0, np.int64)]), cu_seqlens_q[-1]).astype(np.int32)
 
 
+# A work item also takes a span of consecutive KV heads, so that it reads a
+# block's rows whole (a row holds every head side by side). Spans shrink to
+# leave each thread ITEMS_PER_LANE items to balance, and to keep an item's
+# scores within SPAN_SCORES floats.
+ITEMS_PER_LANE = 2
+SPAN_SCORES = 1 << 19
+
+
+def heads_per_item(runs: np.ndarray, num_kv_heads: int, group: int, longest: int, lanes: int) -> int:
+    """KV heads per attention work item, for query runs `runs` (see query_runs)."""
+    num_runs = len(runs) - 1
+    run_scores = int(np.diff(runs).max(initial=1)) * group * max(longest, 1)
+    by_balance = num_runs * num_kv_heads // (ITEMS_PER_LANE * lanes)
+    by_memory = SPAN_SCORES // run_scores
+    return max(1, min(num_kv_heads, by_balance, by_memory))
+
+
 def paged_attention(query: np.ndarray, cache, *, block_table, seq_lens, cu_seqlens_q,
                     softmax_scale: float, sliding_window: int | None, softcap: float,
                     sinks: np.ndarray | None) -> np.ndarray:
@@ -202,12 +219,16 @@ def paged_attention(query: np.ndarray, cache, *, block_table, seq_lens, cu_seqle
     # Work: every query token reads up to its whole sequence, in every KV head.
     query_lens = np.diff(cu_seqlens_q)
     values_read = int(np.dot(query_lens, seq_lens)) * key_data.shape[2] * cache.head_size
+    num_kv_heads = key_data.shape[2]
+    group = q.shape[1] // num_kv_heads
+    runs = query_runs(cu_seqlens_q, seq_lens, group)
     with _threads_for(values_read):
+        lanes = numba.get_num_threads()
+        head_span = heads_per_item(runs, num_kv_heads, group, int(seq_lens.max(initial=1)), lanes)
         kernels.paged_attention(q, key_data, value_data, k_bits, v_bits, has_scales, mode,
-                                block_table, seq_lens, cu_seqlens_q, token_seq,
-                                query_runs(cu_seqlens_q, seq_lens, q.shape[1] // key_data.shape[2]),
+                                block_table, seq_lens, cu_seqlens_q, token_seq, runs,
                                 int(sliding_window or 0), np.float32(softcap), sink_logits,
-                                has_sinks, out, numba.get_num_threads())
+                                has_sinks, out, head_span, lanes)
     if rotated:
         # One pass: back to model channel order, and rotate back.
         read_order = None if order is None else _inverse_permutation(order)

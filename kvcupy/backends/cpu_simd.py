@@ -1,0 +1,267 @@
+"""Hand-vectorised int4 attention loops for the CPU backend, written as LLVM IR.
+
+The generic loops in `cpu_kernels` decode a chunk of rows into a float32
+buffer and then read it back for the dot products or the value sums, and
+their dot products end in one horizontal sum per accumulator. LLVM cannot
+fuse those phases: its loop vectoriser vectorises innermost loops only, and
+it keeps no array element in a register across a loop that writes another
+array it cannot prove distinct. Here the vectors are explicit: each packed
+byte is unpacked to float32 in registers and consumed there by eight
+independent FMA chains, the number two FMA units of latency 4 keep busy.
+
+The IR uses generic 8-lane vectors and LLVM's fma intrinsic, which LLVM
+lowers to whatever the host has (AVX2 ymm registers here, pairs of xmm
+registers on SSE or NEON machines).
+
+Layout contract (checked by the callers in `cpu_kernels`): the cache is a
+4-D byte array [block, row, head, byte] whose bytes within a row are
+contiguous (rows may be strided, as in the vLLM layout with inline scales);
+an int4 row is `half = d / 2` bytes, half a multiple of 8, and byte j holds
+element j of the storage order in its low nibble and element half + j in its
+high nibble.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+LANES = 8           # bytes per tile, float32 lanes per vector
+CHAINS = 8          # independent FMA accumulators per loop body
+
+_f32 = ir.FloatType()
+_i32 = ir.IntType(32)
+_i8 = ir.IntType(8)
+_vf32 = ir.VectorType(_f32, LANES)
+_vi32 = ir.VectorType(_i32, LANES)
+_vi8 = ir.VectorType(_i8, LANES)
+
+
+def _splat(builder, scalar, vector_type):
+    """A vector with `scalar` in every lane."""
+    single = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, _i32(0))
+    return builder.shuffle_vector(single, ir.Constant(vector_type, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_i32, LANES), [0] * LANES))
+
+
+def _fma(builder, a, b, c):
+    """a * b + c, fused, lane by lane."""
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_vf32, [_vf32] * 3),
+                                         "llvm.fma.v8f32")
+    return builder.call(fma, [a, b, c])
+
+
+def _unpack(builder, data, byte_offset, zero_point):
+    """(low, high) nibbles of the 8 bytes at data + byte_offset (data: i8*), each minus
+    zero_point (an int32 vector), as float32 vectors. The subtraction is exact in int32."""
+    pointer = builder.bitcast(builder.gep(data, [byte_offset]), _vi8.as_pointer())
+    codes = builder.zext(builder.load(pointer, align=1), _vi32)
+    low = builder.and_(codes, ir.Constant(_vi32, [15] * LANES))
+    high = builder.lshr(codes, ir.Constant(_vi32, [4] * LANES))
+    return (builder.sitofp(builder.sub(low, zero_point), _vf32),
+            builder.sitofp(builder.sub(high, zero_point), _vf32))
+
+
+def _load_vector(builder, pointer, index):
+    """The 8 float32 at pointer + index (unaligned)."""
+    return builder.load(builder.bitcast(builder.gep(pointer, [index]), _vf32.as_pointer()), align=4)
+
+
+def _store_vector(builder, value, pointer, index):
+    builder.store(value, builder.bitcast(builder.gep(pointer, [index]), _vf32.as_pointer()), align=4)
+
+
+def _sum_four(builder, vectors):
+    """[sum(v0), sum(v1), sum(v2), sum(v3)] of four 8-lane vectors, by a transposing
+    tree: 3 adds and 6 shuffles instead of four separate 3-level reductions."""
+    def mask(lanes):
+        return ir.Constant(ir.VectorType(_i32, len(lanes)), lanes)
+
+    def pair(a, b, first, second):
+        return builder.fadd(builder.shuffle_vector(a, b, mask(first)),
+                            builder.shuffle_vector(a, b, mask(second)))
+
+    # Lanes [a0+a1, b0+b1, a2+a3, b2+b3, ...] for (v0, v1) and for (v2, v3).
+    evens, odds = [0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15]
+    p01 = pair(vectors[0], vectors[1], evens, odds)
+    p23 = pair(vectors[2], vectors[3], evens, odds)
+    # Lanes [v0 0:4, v1 0:4, v2 0:4, v3 0:4, v0 4:8, v1 4:8, v2 4:8, v3 4:8] (partial sums).
+    quads = pair(p01, p23, [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+    return pair(quads, quads, [0, 1, 2, 3], [4, 5, 6, 7])
+
+
+def _array_pointer(context, builder, array_type, value):
+    return context.make_array(array_type)(context, builder, value)
+
+
+def _first_row(context, builder, array_type, array, block, offset, head):
+    """(i8* to data[block, offset, head, 0], bytes from one row to the next).
+
+    Byte addressing whatever the array's element type: the attention kernel is
+    typed for every cache dtype, and calls these loops on uint8 caches only.
+    """
+    intp = block.type
+    pointer = cgutils.get_item_pointer(context, builder, array_type, array, [block, offset, head, intp(0)],
+                                       wraparound=False)
+    row_stride = cgutils.unpack_tuple(builder, array.strides, 4)[1]
+    return builder.bitcast(pointer, _i8.as_pointer()), row_stride
+
+
+def _as_intp(context, builder, values, value_types):
+    return [context.cast(builder, value, value_type, types.intp)
+            for value, value_type in zip(values, value_types)]
+
+
+def _is_c_array(value, dtype, ndim):
+    return isinstance(value, types.Array) and value.dtype == dtype and value.ndim == ndim and value.layout == "C"
+
+
+def _is_cache(value):
+    """A 4-D cache array of any element type and layout (see _first_row)."""
+    return isinstance(value, types.Array) and value.ndim == 4
+
+
+def make_int4_scores(heads: int):
+    """Intrinsic scores(q, q_row, data, block, offset, head, n, zero_points, scales, out, out_col):
+
+    out[q_row + h, out_col + r] = scales[r] * sum_i q[q_row + h, i] * (code_i(row r) - zero_points[r])
+    for h < heads, r < n, row r being data[block, offset + r, head].
+    A step takes 4 / heads rows; the last step's extra rows repeat row n - 1 and
+    write up to 4 / heads - 1 columns past out_col + n - 1, which `out` must have.
+    """
+    rows = 4 // heads
+
+    @intrinsic
+    def int4_scores(typingctx, q, q_row, data, block, offset, head, n, zero_points, scales, out, out_col):
+        if not (_is_c_array(q, types.float32, 2) and _is_cache(data)
+                and _is_c_array(zero_points, types.int32, 1) and _is_c_array(scales, types.float32, 1)
+                and _is_c_array(out, types.float32, 2)):
+            return None
+        signature = types.void(q, q_row, data, block, offset, head, n, zero_points, scales, out, out_col)
+
+        def codegen(context, builder, sig, args):
+            q_array, data_array, zp_array, scale_array, out_array = (
+                _array_pointer(context, builder, sig.args[i], args[i]) for i in (0, 2, 7, 8, 9))
+            q_row_, block_, offset_, head_, n_, out_col_ = _as_intp(
+                context, builder, [args[i] for i in (1, 3, 4, 5, 6, 10)], [sig.args[i] for i in (1, 3, 4, 5, 6, 10)])
+            intp = n_.type
+            rows_base, row_stride_ = _first_row(context, builder, sig.args[2], data_array, block_, offset_, head_)
+            d = cgutils.unpack_tuple(builder, q_array.shape, 2)[1]
+            half = builder.lshr(d, intp(1))
+            out_width = cgutils.unpack_tuple(builder, out_array.shape, 2)[1]
+            q_base = builder.gep(q_array.data, [builder.mul(q_row_, d)])
+            accumulators = [cgutils.alloca_once(builder, _vf32) for _ in range(CHAINS)]
+            steps = builder.udiv(builder.add(n_, intp(rows - 1)), intp(rows))
+            with cgutils.for_range(builder, steps) as step:
+                first = builder.mul(step.index, intp(rows))
+                last = builder.sub(n_, intp(1))
+                row_indices = []
+                for k in range(rows):
+                    index = builder.add(first, intp(k))
+                    row_indices.append(builder.select(builder.icmp_signed("<", index, n_), index, last))
+                row_starts = [builder.mul(r, row_stride_) for r in row_indices]
+                zero_vectors = [_splat(builder, builder.load(builder.gep(zp_array.data, [r])), _vi32)
+                                for r in row_indices]
+                for accumulator in accumulators:
+                    builder.store(ir.Constant(_vf32, None), accumulator)
+                with cgutils.for_range(builder, builder.udiv(half, intp(LANES))) as tile:
+                    column = builder.mul(tile.index, intp(LANES))
+                    nibbles = [_unpack(builder, rows_base, builder.add(start, column), zero)
+                               for start, zero in zip(row_starts, zero_vectors)]
+                    for h in range(heads):
+                        q_low = _load_vector(builder, q_base, builder.add(builder.mul(intp(h), d), column))
+                        q_high = _load_vector(builder, q_base, builder.add(builder.mul(intp(h), d),
+                                                                           builder.add(half, column)))
+                        for k in range(rows):
+                            low, high = nibbles[k]
+                            for part, (qv, code) in enumerate(((q_low, low), (q_high, high))):
+                                slot = accumulators[(h * rows + k) * 2 + part]
+                                builder.store(_fma(builder, qv, code, builder.load(slot)), slot)
+                # Low and high halves of each (head, row) dot product, then the four sums at once.
+                sums = _sum_four(builder, [builder.fadd(builder.load(accumulators[2 * j]),
+                                                        builder.load(accumulators[2 * j + 1]))
+                                           for j in range(heads * rows)])
+                for h in range(heads):
+                    out_row = builder.gep(out_array.data, [builder.mul(builder.add(q_row_, intp(h)), out_width)])
+                    for k in range(rows):
+                        scale = builder.load(builder.gep(scale_array.data, [row_indices[k]]))
+                        value = builder.fmul(builder.extract_element(sums, _i32(h * rows + k)), scale)
+                        builder.store(value, builder.gep(out_row, [builder.add(out_col_, builder.add(first, intp(k)))]))
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return int4_scores
+
+
+def make_int4_accumulate(heads: int):
+    """Intrinsic accumulate(acc, acc_row, data, block, offset, head, n, zero_points, weights, weight_row):
+
+    acc[acc_row + h, i] += sum_r weights[weight_row + h, r] * (code_i(row r) - zero_points[r])
+    for h < heads, i < d, r < n (codes in storage order, as in make_int4_scores).
+    The accumulators hold 4 / heads column tiles of 8 bytes (16 values) per
+    head across the row loop; a last group of fewer tiles runs one tile at a time.
+    """
+    tiles = 4 // heads
+
+    @intrinsic
+    def int4_accumulate(typingctx, acc, acc_row, data, block, offset, head, n, zero_points, weights, weight_row):
+        if not (_is_c_array(acc, types.float32, 2) and _is_cache(data)
+                and _is_c_array(zero_points, types.int32, 1) and _is_c_array(weights, types.float32, 2)):
+            return None
+        signature = types.void(acc, acc_row, data, block, offset, head, n, zero_points, weights, weight_row)
+
+        def codegen(context, builder, sig, args):
+            acc_array, data_array, zp_array, weight_array = (
+                _array_pointer(context, builder, sig.args[i], args[i]) for i in (0, 2, 7, 8))
+            acc_row_, block_, offset_, head_, n_, weight_row_ = _as_intp(
+                context, builder, [args[i] for i in (1, 3, 4, 5, 6, 9)], [sig.args[i] for i in (1, 3, 4, 5, 6, 9)])
+            intp = n_.type
+            rows_base, row_stride_ = _first_row(context, builder, sig.args[2], data_array, block_, offset_, head_)
+            d = cgutils.unpack_tuple(builder, acc_array.shape, 2)[1]
+            half = builder.lshr(d, intp(1))
+            weight_width = cgutils.unpack_tuple(builder, weight_array.shape, 2)[1]
+            acc_base = builder.gep(acc_array.data, [builder.mul(acc_row_, d)])
+            weight_base = builder.gep(weight_array.data, [builder.mul(weight_row_, weight_width)])
+            accumulators = [cgutils.alloca_once(builder, _vf32) for _ in range(2 * heads * tiles)]
+
+            def tile_group(first_tile, count):
+                """Columns of `count` 8-byte tiles from first_tile, over all n rows."""
+                columns = [builder.mul(builder.add(first_tile, intp(t)), intp(LANES)) for t in range(count)]
+                for accumulator in accumulators:
+                    builder.store(ir.Constant(_vf32, None), accumulator)
+                with cgutils.for_range(builder, n_) as row:
+                    start = builder.mul(row.index, row_stride_)
+                    zero = _splat(builder, builder.load(builder.gep(zp_array.data, [row.index])), _vi32)
+                    nibbles = [_unpack(builder, rows_base, builder.add(start, c), zero) for c in columns]
+                    for h in range(heads):
+                        weight_pointer = builder.gep(weight_base, [builder.add(builder.mul(intp(h), weight_width),
+                                                                               row.index)])
+                        weight = _splat(builder, builder.load(weight_pointer), _vf32)
+                        for t in range(count):
+                            for part in range(2):
+                                slot = accumulators[(h * tiles + t) * 2 + part]
+                                builder.store(_fma(builder, weight, nibbles[t][part], builder.load(slot)), slot)
+                for h in range(heads):
+                    row_base = builder.gep(acc_base, [builder.mul(intp(h), d)])
+                    for t in range(count):
+                        for part in range(2):
+                            index = columns[t] if part == 0 else builder.add(half, columns[t])
+                            total = builder.fadd(_load_vector(builder, row_base, index),
+                                                 builder.load(accumulators[(h * tiles + t) * 2 + part]))
+                            _store_vector(builder, total, row_base, index)
+
+            tile_count = builder.udiv(half, intp(LANES))
+            groups = builder.udiv(tile_count, intp(tiles))
+            with cgutils.for_range(builder, groups) as group:
+                tile_group(builder.mul(group.index, intp(tiles)), tiles)
+            if tiles > 1:
+                with cgutils.for_range(builder, builder.urem(tile_count, intp(tiles))) as rest:
+                    tile_group(builder.add(builder.mul(groups, intp(tiles)), rest.index), 1)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return int4_accumulate
