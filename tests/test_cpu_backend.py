@@ -181,6 +181,28 @@ def test_int4_head_sizes_outside_the_register_loops(head_size, features):
     assert worst_row_error(out, expected) <= ATTENTION_RTOL
 
 
+@pytest.mark.parametrize("features", [{}, {"softcap": 30.0, "sinks": "random"}, {"sliding_window": 700}])
+@pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "fp8_per_token_head"])
+def test_sequences_longer_than_a_segment(kv_dtype, features):
+    """An item walks its columns in segments of cpu_kernels.SEGMENT with an online
+    softmax across them: decodes and prefill runs that cross segment boundaries,
+    with and without a window that starts inside one, must match row by row."""
+    rng = np.random.default_rng(31)
+    segment = cpu_kernels.SEGMENT
+    batch = paged_batch(rng, [2 * segment + 77, segment + 1, 3 * segment], [40, 1, 1], 16)
+    cache = fresh_cache(batch, 16, 2, 64, kv_dtype, kc.rotation_plan(64))
+    kv_shape = (batch.num_tokens, 2, 64)
+    kc.reshape_and_cache((rng.standard_normal(kv_shape) * 2).astype(np.float16),
+                         rng.standard_normal(kv_shape).astype(np.float16), cache, batch.slot_mapping)
+    query = rng.standard_normal((batch.num_queries, 8, 64)).astype(np.float32)
+    kwargs = dict(features)
+    if "sinks" in kwargs:
+        kwargs["sinks"] = rng.standard_normal(8).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q, **kwargs)
+    out = kc.paged_attention(query, cache, **args)
+    assert worst_row_error(out, reference.paged_attention(query, cache, **args)) <= ATTENTION_RTOL
+
+
 @pytest.mark.parametrize("head_span", [1, 2, 3, 4])
 @pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "int8_per_token_head"])
 def test_every_kv_head_span_gives_the_same_rows(kv_dtype, head_span, monkeypatch):
@@ -192,26 +214,31 @@ def test_every_kv_head_span_gives_the_same_rows(kv_dtype, head_span, monkeypatch
     assert worst_row_error(out, expected) <= ATTENTION_RTOL
 
 
-@pytest.mark.parametrize(("num_runs", "num_kv_heads", "longest", "lanes", "expected"), [
-    (8, 8, 4096, 2, 8),      # a decode batch: whole rows a work item, 8 items for 2 threads
-    (1, 8, 4096, 2, 2),      # one sequence: spans of 2 heads, so that 2 threads get 2 items each
-    (1, 1, 100, 4, 1),       # never less than one head
-    (64, 8, 1 << 17, 2, 4),  # long sequences: the item's scores stay within SPAN_SCORES floats
+@pytest.mark.parametrize(("tokens_per_run", "group", "num_kv_heads", "longest", "expected"), [
+    (1, 4, 8, 4096, 8),      # a decode batch of 8: whole rows a work item, 8 items for 2 threads
+    (1, 4, 8, 100, 8),
+    (8, 4, 8, 4096, 8),      # prefill runs of 32 query rows: 8 heads x 32 rows x 512 columns of scores
+    (8, 8, 8, 4096, 4),      # runs of 64 query rows: 4 heads keep the scores within SPAN_SCORES
 ])
-def test_heads_per_item(num_runs, num_kv_heads, longest, lanes, expected):
-    runs = np.arange(num_runs + 1, dtype=np.int32)   # one query token a run
-    assert cpu.heads_per_item(runs, num_kv_heads, 1, longest, lanes) == expected
+def test_heads_per_item(tokens_per_run, group, num_kv_heads, longest, expected):
+    runs = np.arange(0, 8 * tokens_per_run + 1, tokens_per_run, dtype=np.int32)   # 8 runs
+    assert cpu.heads_per_item(runs, num_kv_heads, group, longest, lanes=2) == expected
 
 
-@pytest.mark.parametrize(("cu_seqlens_q", "seq_lens", "group", "expected"), [
-    ([0, 1, 2], [5, 7], 4, [0, 1, 2]),               # decode: a run per sequence
-    ([0, 10, 13], [10, 20], 4, [0, 8, 10, 13]),      # 8 tokens x 4 heads a run; runs stop at sequences
-    ([0, 0, 3], [0, 20], 1, [0, 3]),                 # a sequence without queries has no run
-    ([0, 40], [40], 64, [0] + list(range(1, 41))),   # a group of 64: one token a run
+def test_heads_per_item_leaves_every_thread_items():
+    runs = np.array([0, 1], np.int32)   # one decoding sequence
+    assert cpu.heads_per_item(runs, 8, 4, 4096, lanes=2) == 2   # 4 items of 2 heads
+    assert cpu.heads_per_item(runs, 1, 4, 4096, lanes=4) == 1   # never less than one head
+
+
+@pytest.mark.parametrize(("cu_seqlens_q", "group", "expected"), [
+    ([0, 1, 2], 4, [0, 1, 2]),                # decode: a run per sequence
+    ([0, 10, 13], 4, [0, 8, 10, 13]),         # 8 tokens x 4 heads a run; runs stop at sequences
+    ([0, 0, 3], 1, [0, 3]),                   # a sequence without queries has no run
+    ([0, 40], 64, [0] + list(range(1, 41))),  # a group of 64: one token a run
 ])
-def test_query_runs(cu_seqlens_q, seq_lens, group, expected):
-    runs = cpu.query_runs(np.array(cu_seqlens_q), np.array(seq_lens), group)
-    assert runs.tolist() == expected
+def test_query_runs(cu_seqlens_q, group, expected):
+    assert cpu.query_runs(np.array(cu_seqlens_q), group).tolist() == expected
 
 
 @pytest.mark.parametrize("cache_dtype", ["float16", "bfloat16", "float32"])

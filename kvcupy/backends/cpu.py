@@ -157,17 +157,14 @@ def storage_order(kv_dtype: str, head_size: int) -> np.ndarray | None:
 # A work item of the attention kernel takes a run of consecutive query tokens
 # of one sequence and decodes each K/V row once for all of them: a prefill
 # then decodes its keys once per run instead of once per token. A run has at
-# most RUN_QUERY_ROWS (token, query head) rows of one KV head (enough to
-# amortise decoding; more would only grow the kernel's per-item buffers), and
-# its scores buffer at most RUN_SCORES floats, for long sequences.
+# most RUN_QUERY_ROWS (token, query head) rows of one KV head: enough to
+# amortise decoding; more would only grow the kernel's per-item buffers.
 RUN_QUERY_ROWS = 32
-RUN_SCORES = 1 << 22
 
 
-def query_runs(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, group: int) -> np.ndarray:
+def query_runs(cu_seqlens_q: np.ndarray, group: int) -> np.ndarray:
     """int32 [R + 1]: run r is query tokens runs[r] .. runs[r + 1] - 1, all of one sequence."""
-    longest = int(seq_lens.max(initial=1))   # at least 1, also for an empty batch
-    tokens_per_run = max(1, min(RUN_QUERY_ROWS // group, RUN_SCORES // (group * longest)))
+    tokens_per_run = max(1, RUN_QUERY_ROWS // group)
     starts = [np.arange(begin, end, tokens_per_run)
               for begin, end in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist())]
     return np.append(np.concatenate(starts or [np.empty(0, np.int64)]), cu_seqlens_q[-1]).astype(np.int32)
@@ -176,15 +173,15 @@ def query_runs(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, group: int) -> np
 # A work item also takes a span of consecutive KV heads, so that it reads a
 # block's rows whole (a row holds every head side by side). Spans shrink to
 # leave each thread ITEMS_PER_LANE items to balance, and to keep an item's
-# scores within SPAN_SCORES floats.
+# scores (a segment of columns per query row) within SPAN_SCORES floats.
 ITEMS_PER_LANE = 2
-SPAN_SCORES = 1 << 19
+SPAN_SCORES = 1 << 17
 
 
 def heads_per_item(runs: np.ndarray, num_kv_heads: int, group: int, longest: int, lanes: int) -> int:
     """KV heads per attention work item, for query runs `runs` (see query_runs)."""
     num_runs = len(runs) - 1
-    run_scores = int(np.diff(runs).max(initial=1)) * group * max(longest, 1)
+    run_scores = int(np.diff(runs).max(initial=1)) * group * min(max(longest, 1), kernels.SEGMENT)
     by_balance = num_runs * num_kv_heads // (ITEMS_PER_LANE * lanes)
     by_memory = SPAN_SCORES // run_scores
     return max(1, min(num_kv_heads, by_balance, by_memory))
@@ -221,7 +218,7 @@ def paged_attention(query: np.ndarray, cache, *, block_table, seq_lens, cu_seqle
     values_read = int(np.dot(query_lens, seq_lens)) * key_data.shape[2] * cache.head_size
     num_kv_heads = key_data.shape[2]
     group = q.shape[1] // num_kv_heads
-    runs = query_runs(cu_seqlens_q, seq_lens, group)
+    runs = query_runs(cu_seqlens_q, group)
     with _threads_for(values_read):
         lanes = numba.get_num_threads()
         head_span = heads_per_item(runs, num_kv_heads, group, int(seq_lens.max(initial=1)), lanes)

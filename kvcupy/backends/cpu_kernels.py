@@ -465,6 +465,10 @@ def _chunk_at(block_table, seq, block_size, position, end):
 # int4 skips it.
 PREFETCH_ROWS = 2 * CHUNK
 
+# Columns (cached positions) per segment of a work item's online softmax: its
+# scores buffer then holds at most SEGMENT + 2 * TILE columns per query row.
+SEGMENT = 512
+
 
 @njit(cache=True, inline="always")
 def _load_chunk(mode, data, scale_bits, has_scales, block_table, seq, block_size, start, end, head,
@@ -573,10 +577,14 @@ def _exp_nonpositive(x):
 
 
 @njit(fastmath=ATTENTION_FASTMATH, cache=True)
-def _softmax_numerators(scores, visible_from, visible_to, softcap, sinks, denominator):
-    """Row g of scores sees columns visible_from[g] .. visible_to[g] - 1: those become
-    exp(logit - max), the others up to the last visible column of any row 0, and
-    denominator[g] = the sum of row g (with exp(sink - max) if sinks has a row g).
+def _softmax_segment(scores, visible_from, visible_to, softcap, running_max, running_sum, acc):
+    """One segment of an online softmax over the columns of scores.
+
+    Row g sees columns visible_from[g] .. visible_to[g] - 1 (possibly none):
+    those become exp(logit - m), the others up to the last visible column of
+    any row 0, where m = max(running_max[g], the row's visible logits). The
+    rows' running maximum and sum move to m, and acc[g] (the values weighted
+    by the earlier segments' numerators) is rescaled to match.
 
     Each row's loops run over a view from its first visible column, so that
     their indices start at 0: LLVM vectorises them only when it can prove an
@@ -591,19 +599,24 @@ def _softmax_numerators(scores, visible_from, visible_to, softcap, sinks, denomi
         tail = scores[g, visible_to[g]:width]
         for j in range(tail.shape[0]):
             tail[j] = 0.0
+        if visible.shape[0] == 0:
+            continue
         if softcap > 0:
             for j in range(visible.shape[0]):
                 visible[j] = softcap * np.tanh(visible[j] / softcap)
-        top = _max(visible)
-        if sinks.shape[0]:
-            top = max(top, sinks[g])
+        top = max(_max(visible), running_max[g])
         total = np.float32(0.0)
         for j in range(visible.shape[0]):
             visible[j] = _exp_nonpositive(visible[j] - top)
             total += visible[j]
-        if sinks.shape[0]:
-            total += np.exp(sinks[g] - top)   # mass without a value
-        denominator[g] = total
+        if top > running_max[g]:
+            # exp(-inf) = 0 for a row with nothing before; its sum and acc are 0 anyway.
+            factor = np.float32(np.exp(running_max[g] - top))
+            running_sum[g] *= factor
+            for i in range(acc.shape[1]):
+                acc[g, i] *= factor
+            running_max[g] = top
+        running_sum[g] += total
 
 
 @njit(parallel=True, fastmath=ATTENTION_FASTMATH, cache=True)
@@ -678,7 +691,16 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
                             q[k, row, i] = query[first_token + t, head, i]
                         if has_sinks:
                             sink_rows[k, row] = sinks[head]
-            count = end - window_start
+            # The run's columns (positions window_start ..) in segments of SEGMENT:
+            # scores and softmax per segment (an online softmax across them), so
+            # that the scores buffer stays in L2 however long the sequence.
+            running_max = np.full((kv_heads, q_rows), -np.inf, np.float32)
+            running_sum = np.zeros((kv_heads, q_rows), np.float32)
+            if has_sinks:
+                # A sink is a logit with no value: the sum starts at exp(sink - sink).
+                running_max[:] = sink_rows
+                running_sum[:] = 1.0
+            acc = np.zeros((kv_heads, q_rows, d), np.float32)
 
             # Room for the rows of a last partial tile; zeros, so that they are finite.
             rows = np.zeros((CHUNK + 2 * TILE, d), np.float32)
@@ -687,51 +709,60 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
             zero_points = np.empty(CHUNK + 2 * TILE, np.float32)
             zero_codes = np.empty(CHUNK, np.int32)
             weights = np.empty((q_rows, CHUNK), np.float32)
-            scores = np.empty((kv_heads, q_rows, count + 2 * TILE), np.float32)
+            scores = np.empty((kv_heads, q_rows, min(SEGMENT, end - window_start) + 2 * TILE), np.float32)
+            segment_from = np.empty(q_rows, np.int64)
+            segment_to = np.empty(q_rows, np.int64)
 
-            start = window_start
-            while start < end:
-                n = 0
+            for segment_start in range(window_start, end, SEGMENT):
+                segment_end = min(segment_start + SEGMENT, end)
+                first_column = segment_start - window_start
+                for row in range(q_rows):
+                    segment_to[row] = max(0, min(visible_to[row] - first_column, segment_end - segment_start))
+                    segment_from[row] = min(max(0, visible_from[row] - first_column), segment_to[row])
+
+                start = segment_start
+                while start < segment_end:
+                    n = 0
+                    for k in range(kv_heads):
+                        kv_head = first_kv_head + k
+                        if in_registers:
+                            block, offset, n = _int4_chunk(key_data, k_scale_bits, block_table, seq, block_size,
+                                                           start, segment_end, kv_head, scales, zero_codes)
+                            _int4_scores(q[k], key_data, block, offset, kv_head, n, zero_codes, scales, scores[k],
+                                         start - segment_start)
+                        else:
+                            n = _load_chunk(mode, key_data, k_scale_bits, has_scales, block_table, seq, block_size,
+                                            start, segment_end, kv_head, rows, nibbles, scales, zero_points)
+                            _score_chunk(q[k], rows, n, scales, scores[k], start - segment_start)
+                    start += n
+
                 for k in range(kv_heads):
-                    kv_head = first_kv_head + k
-                    if in_registers:
-                        block, offset, n = _int4_chunk(key_data, k_scale_bits, block_table, seq, block_size,
-                                                       start, end, kv_head, scales, zero_codes)
-                        _int4_scores(q[k], key_data, block, offset, kv_head, n, zero_codes, scales, scores[k],
-                                     start - window_start)
-                    else:
-                        n = _load_chunk(mode, key_data, k_scale_bits, has_scales, block_table, seq, block_size,
-                                        start, end, kv_head, rows, nibbles, scales, zero_points)
-                        _score_chunk(q[k], rows, n, scales, scores[k], start - window_start)
-                start += n
+                    _softmax_segment(scores[k], segment_from, segment_to, softcap, running_max[k], running_sum[k],
+                                     acc[k])
 
-            denominator = np.empty((kv_heads, q_rows), np.float32)
-            for k in range(kv_heads):
-                _softmax_numerators(scores[k], visible_from, visible_to, softcap, sink_rows[k], denominator[k])
-
-            acc = np.zeros((kv_heads, q_rows, d), np.float32)
-            start = window_start
-            while start < end:
-                n = 0
-                for k in range(kv_heads):
-                    kv_head = first_kv_head + k
-                    if in_registers:
-                        block, offset, n = _int4_chunk(value_data, v_scale_bits, block_table, seq, block_size,
-                                                       start, end, kv_head, scales, zero_codes)
-                        column = start - window_start
-                        for g in range(q_rows):
-                            for r in range(n):
-                                weights[g, r] = scores[k, g, column + r] * scales[r]
-                        _int4_accumulate(acc[k], value_data, block, offset, kv_head, n, zero_codes, weights)
-                    else:
-                        n = _load_chunk(mode, value_data, v_scale_bits, has_scales, block_table, seq, block_size,
-                                        start, end, kv_head, rows, nibbles, scales, zero_points)
-                        _accumulate_chunk(scores[k], start - window_start, rows, n, scales, acc[k])
-                start += n
+                start = segment_start
+                while start < segment_end:
+                    n = 0
+                    for k in range(kv_heads):
+                        kv_head = first_kv_head + k
+                        column = start - segment_start
+                        if in_registers:
+                            block, offset, n = _int4_chunk(value_data, v_scale_bits, block_table, seq, block_size,
+                                                           start, segment_end, kv_head, scales, zero_codes)
+                            for g in range(q_rows):
+                                probabilities = scores[k, g, column:column + n]
+                                for r in range(n):
+                                    weights[g, r] = probabilities[r] * scales[r]
+                            _int4_accumulate(acc[k], value_data, block, offset, kv_head, n, zero_codes, weights)
+                        else:
+                            n = _load_chunk(mode, value_data, v_scale_bits, has_scales, block_table, seq, block_size,
+                                            start, segment_end, kv_head, rows, nibbles, scales, zero_points)
+                            _accumulate_chunk(scores[k], column, rows, n, scales, acc[k])
+                    start += n
             for k in range(kv_heads):
                 for t in range(run_length):
                     for g in range(group):
                         row = t * group + g
-                        inv = np.float32(1.0) / denominator[k, row]
+                        inv = np.float32(1.0) / running_sum[k, row]
                         for i in range(d):
                             out[first_token + t, (first_kv_head + k) * group + g, i] = acc[k, row, i] * inv
