@@ -188,30 +188,42 @@ def _fetch_add(typingctx, counter, increment):
     return signature, codegen
 
 
-@intrinsic
-def _prefetch_row(typingctx, data, block, row, head):
-    """Hint that data[block, row, head] (a 4-D cache) will be read soon: LLVM's
-    prefetch, for reading, into all cache levels."""
-    if not (isinstance(data, types.Array) and data.ndim == 4):
-        return None
-    signature = types.void(data, types.intp, types.intp, types.intp)
+def _make_prefetch_row(locality: int):
+    """Intrinsic prefetch(data, block, row, head): hint that data[block, row, head]
+    (a 4-D cache) will be read soon. LLVM's prefetch, for reading, with its
+    locality hint: 3 = into every cache level (prefetcht0), 2 = into L2 and
+    beyond (prefetcht1)."""
+    @intrinsic
+    def prefetch_row(typingctx, data, block, row, head):
+        if not (isinstance(data, types.Array) and data.ndim == 4):
+            return None
+        signature = types.void(data, types.intp, types.intp, types.intp)
 
-    def codegen(context, builder, sig, args):
-        array = context.make_array(sig.args[0])(context, builder, args[0])
-        indices = [context.cast(builder, value, fromty, types.intp)
-                   for value, fromty in zip(args[1:], sig.args[1:])]
-        pointer = cgutils.get_item_pointer(context, builder, sig.args[0], array,
-                                           indices + [context.get_constant(types.intp, 0)],
-                                           wraparound=False)
-        byte_pointer = ir.IntType(8).as_pointer()
-        int32 = ir.IntType(32)
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]),
-            "llvm.prefetch.p0i8")
-        builder.call(prefetch, [builder.bitcast(pointer, byte_pointer), int32(0), int32(3), int32(1)])
-        return context.get_dummy_value()
+        def codegen(context, builder, sig, args):
+            array = context.make_array(sig.args[0])(context, builder, args[0])
+            indices = [context.cast(builder, value, fromty, types.intp)
+                       for value, fromty in zip(args[1:], sig.args[1:])]
+            pointer = cgutils.get_item_pointer(context, builder, sig.args[0], array,
+                                               indices + [context.get_constant(types.intp, 0)],
+                                               wraparound=False)
+            byte_pointer = ir.IntType(8).as_pointer()
+            int32 = ir.IntType(32)
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]),
+                "llvm.prefetch.p0i8")
+            builder.call(prefetch, [builder.bitcast(pointer, byte_pointer), int32(0), int32(locality), int32(1)])
+            return context.get_dummy_value()
 
-    return signature, codegen
+        return signature, codegen
+
+    return prefetch_row
+
+
+_prefetch_row = _make_prefetch_row(3)
+# For cpu_simd's int4 loops. Measured (2 threads, 8 x 4096 int4 decode, paired
+# calls, three runs): 0.89-0.95x the time of prefetching into L1, where the
+# buffer path of the other formats took 1.05-1.06x.
+_prefetch_row_to_l2 = _make_prefetch_row(2)
 
 
 # One work item is (query token, KV head). It walks its rows in chunks of at
@@ -506,7 +518,7 @@ def _int4_chunk(data, scale_bits, block_table, seq, block_size, start, end, head
     if ahead < end:
         ahead_block, ahead_offset, ahead_n = _chunk_at(block_table, seq, block_size, ahead, end)
         for r in range(ahead_n):
-            _prefetch_row(data, ahead_block, ahead_offset + r, head)
+            _prefetch_row_to_l2(data, ahead_block, ahead_offset + r, head)
     block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
     for r in range(n):
         bits = scale_bits[block, offset + r, head]   # the zero-point is in the low 4 bits
