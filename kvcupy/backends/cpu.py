@@ -135,7 +135,9 @@ def _decode_plan(cache) -> tuple[int, np.ndarray, np.ndarray]:
         return kernels.DECODE_INT4, cache.key_cache, cache.value_cache
     if cache.kv_dtype == "fp8_per_token_head":
         return kernels.DECODE_FP8, cache.key_cache, cache.value_cache
-    if cache.kv_dtype == "int8_per_token_head" or cache.key_cache.dtype == np.float32:
+    if cache.kv_dtype == "int8_per_token_head":
+        return kernels.DECODE_INT8, cache.key_cache.view(np.uint8), cache.value_cache.view(np.uint8)
+    if cache.key_cache.dtype == np.float32:
         return kernels.DECODE_LINEAR, cache.key_cache, cache.value_cache
     mode = kernels.DECODE_FP16 if cache.key_cache.dtype == np.float16 else kernels.DECODE_BF16
     return mode, cache.key_cache.view(np.uint16), cache.value_cache.view(np.uint16)

@@ -25,10 +25,11 @@ ATTENTION_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 # How a stored row decodes (one code path per storage type, chosen per chunk, never per value).
 DECODE_INT4 = 0     # packed nibbles, (code - zero_point) * scale'
-DECODE_LINEAR = 1   # value * scale (int8, float32 "auto")
+DECODE_LINEAR = 1   # value * scale (float32 "auto")
 DECODE_FP8 = 2      # e4m3fn bits * scale
 DECODE_FP16 = 3     # float16 "auto", read as uint16 bits
 DECODE_BF16 = 4     # bfloat16 "auto", read as uint16 bits
+DECODE_INT8 = 5     # int8 codes * scale, read as uint8 bits
 
 QUANT_INT4, QUANT_INT8, QUANT_FP8 = 0, 1, 2
 
@@ -265,6 +266,18 @@ def _unpack_int4(data, block, offset, n, head, zero_points, nibbles):
             nibbles[r, 1, j] = np.float32(np.int32(byte >> np.int32(4))) - zero_point
 
 
+# int8 caches are read through a uint8 view, like int4 and fp8 ones: the
+# attention kernel then compiles once for all three (each specialisation takes
+# a good part of the first run's compile time).
+@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+def _decode_int8(data, block, offset, n, head, rows):
+    for r in range(n):
+        for i in range(rows.shape[1]):
+            # Sign-extend the byte: shift it to the top of an int32 and back.
+            rows[r, i] = np.float32(np.int32(np.int32(np.int32(data[block, offset + r, head, i]) << np.int32(24))
+                                             >> np.int32(24)))
+
+
 @njit(fastmath=ATTENTION_FASTMATH, cache=True)
 def _convert(data, block, offset, n, head, rows):
     for r in range(n):
@@ -380,6 +393,8 @@ def _decode_chunk(mode, data, scale_bits, has_scales, block, offset, n, head,
         _unpack_int4(data, block, offset, n, head, zero_points, nibbles)
     elif mode == DECODE_LINEAR:
         _convert(data, block, offset, n, head, rows)
+    elif mode == DECODE_INT8:
+        _decode_int8(data, block, offset, n, head, rows)
     elif mode == DECODE_FP8:
         _decode_fp8(data, block, offset, n, head, rows)
     elif mode == DECODE_FP16:
@@ -527,7 +542,7 @@ def _int4_chunk(data, scale_bits, block_table, seq, block_size, start, end, head
     return block, offset, n
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _int4_scores(q, data, block, offset, head, n, zero_codes, scales, scores, column):
     """scores[g, column + r] = q[g] . row r * scales[r] for every row g of q, row r
     being data[block, offset + r, head]."""
@@ -542,7 +557,7 @@ def _int4_scores(q, data, block, offset, head, n, zero_codes, scales, scores, co
         _int4_scores_1(q, g, data, block, offset, head, n, zero_codes, scales, scores, column)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _int4_accumulate(acc, data, block, offset, head, n, zero_codes, weights):
     """acc[g] += sum_r weights[g, r] * (codes of row r - zero_codes[r]) for every row g
     of acc, row r being data[block, offset + r, head]."""

@@ -96,11 +96,7 @@ def _array_pointer(context, builder, array_type, value):
 
 
 def _first_row(context, builder, array_type, array, block, offset, head):
-    """(i8* to data[block, offset, head, 0], bytes from one row to the next).
-
-    Byte addressing whatever the array's element type: the attention kernel is
-    typed for every cache dtype, and calls these loops on uint8 caches only.
-    """
+    """(i8* to data[block, offset, head, 0], bytes from one row to the next)."""
     intp = block.type
     pointer = cgutils.get_item_pointer(context, builder, array_type, array, [block, offset, head, intp(0)],
                                        wraparound=False)
@@ -120,6 +116,13 @@ def _is_c_array(value, dtype, ndim):
 def _is_cache(value):
     """A 4-D cache array of any element type and layout (see _first_row)."""
     return isinstance(value, types.Array) and value.ndim == 4
+
+
+def _holds_int4(cache_type):
+    """Only uint8 caches hold int4 rows. The attention kernel is typed for every
+    cache dtype, but calls these loops on uint8 ones only: for the others the
+    loops compile to nothing, which saves compile time."""
+    return cache_type.dtype == types.uint8
 
 
 # Rows a scores step takes, and whether a (head, row) keeps its low- and
@@ -150,6 +153,8 @@ def make_int4_scores(heads: int):
         signature = types.void(q, q_row, data, block, offset, head, n, zero_points, scales, out, out_col)
 
         def codegen(context, builder, sig, args):
+            if not _holds_int4(sig.args[2]):
+                return context.get_dummy_value()
             q_array, data_array, zp_array, scale_array, out_array = (
                 _array_pointer(context, builder, sig.args[i], args[i]) for i in (0, 2, 7, 8, 9))
             q_row_, block_, offset_, head_, n_, out_col_ = _as_intp(
@@ -225,6 +230,8 @@ def make_int4_accumulate(heads: int):
         signature = types.void(acc, acc_row, data, block, offset, head, n, zero_points, weights, weight_row)
 
         def codegen(context, builder, sig, args):
+            if not _holds_int4(sig.args[2]):
+                return context.get_dummy_value()
             acc_array, data_array, zp_array, weight_array = (
                 _array_pointer(context, builder, sig.args[i], args[i]) for i in (0, 2, 7, 8))
             acc_row_, block_, offset_, head_, n_, weight_row_ = _as_intp(
