@@ -109,6 +109,24 @@ def _as_intp(context, builder, values, value_types):
             for value, value_type in zip(values, value_types)]
 
 
+class _Operands:
+    """What both intrinsics take first: (matrix, matrix_row, data, block, offset,
+    head, n, zero_points, ...), matrix being float32 [rows, d] (q or acc)."""
+
+    def __init__(self, context, builder, sig, args):
+        self.matrix = _array_pointer(context, builder, sig.args[0], args[0])
+        self.zero_points = _array_pointer(context, builder, sig.args[7], args[7])
+        row, block, offset, head, self.n = _as_intp(context, builder, [args[i] for i in (1, 3, 4, 5, 6)],
+                                                    [sig.args[i] for i in (1, 3, 4, 5, 6)])
+        data = _array_pointer(context, builder, sig.args[2], args[2])
+        self.rows_base, self.row_stride = _first_row(context, builder, sig.args[2], data, block, offset, head)
+        self.intp = self.n.type
+        self.d = cgutils.unpack_tuple(builder, self.matrix.shape, 2)[1]
+        self.half = builder.lshr(self.d, self.intp(1))
+        # The matrix's row `row`, where the heads' rows start.
+        self.base = builder.gep(self.matrix.data, [builder.mul(row, self.d)])
+
+
 def _is_c_array(value, dtype, ndim):
     return isinstance(value, types.Array) and value.dtype == dtype and value.ndim == ndim and value.layout == "C"
 
@@ -155,16 +173,13 @@ def make_int4_scores(heads: int):
         def codegen(context, builder, sig, args):
             if not _holds_int4(sig.args[2]):
                 return context.get_dummy_value()
-            q_array, data_array, zp_array, scale_array, out_array = (
-                _array_pointer(context, builder, sig.args[i], args[i]) for i in (0, 2, 7, 8, 9))
-            q_row_, block_, offset_, head_, n_, out_col_ = _as_intp(
-                context, builder, [args[i] for i in (1, 3, 4, 5, 6, 10)], [sig.args[i] for i in (1, 3, 4, 5, 6, 10)])
-            intp = n_.type
-            rows_base, row_stride_ = _first_row(context, builder, sig.args[2], data_array, block_, offset_, head_)
-            d = cgutils.unpack_tuple(builder, q_array.shape, 2)[1]
-            half = builder.lshr(d, intp(1))
+            operands = _Operands(context, builder, sig, args)
+            scale_array, out_array = (_array_pointer(context, builder, sig.args[i], args[i]) for i in (8, 9))
+            q_row_, out_col_ = _as_intp(context, builder, [args[1], args[10]], [sig.args[1], sig.args[10]])
+            intp, n_, d, half = operands.intp, operands.n, operands.d, operands.half
+            rows_base, row_stride_, zp_array, q_base = (operands.rows_base, operands.row_stride,
+                                                        operands.zero_points, operands.base)
             out_width = cgutils.unpack_tuple(builder, out_array.shape, 2)[1]
-            q_base = builder.gep(q_array.data, [builder.mul(q_row_, d)])
             accumulators = [cgutils.alloca_once(builder, _vf32) for _ in range(heads * rows * parts)]
             steps = builder.udiv(builder.add(n_, intp(rows - 1)), intp(rows))
             with cgutils.for_range(builder, steps) as step:
@@ -232,16 +247,13 @@ def make_int4_accumulate(heads: int):
         def codegen(context, builder, sig, args):
             if not _holds_int4(sig.args[2]):
                 return context.get_dummy_value()
-            acc_array, data_array, zp_array, weight_array = (
-                _array_pointer(context, builder, sig.args[i], args[i]) for i in (0, 2, 7, 8))
-            acc_row_, block_, offset_, head_, n_, weight_row_ = _as_intp(
-                context, builder, [args[i] for i in (1, 3, 4, 5, 6, 9)], [sig.args[i] for i in (1, 3, 4, 5, 6, 9)])
-            intp = n_.type
-            rows_base, row_stride_ = _first_row(context, builder, sig.args[2], data_array, block_, offset_, head_)
-            d = cgutils.unpack_tuple(builder, acc_array.shape, 2)[1]
-            half = builder.lshr(d, intp(1))
+            operands = _Operands(context, builder, sig, args)
+            weight_array = _array_pointer(context, builder, sig.args[8], args[8])
+            (weight_row_,) = _as_intp(context, builder, [args[9]], [sig.args[9]])
+            intp, n_, d, half = operands.intp, operands.n, operands.d, operands.half
+            rows_base, row_stride_, zp_array, acc_base = (operands.rows_base, operands.row_stride,
+                                                          operands.zero_points, operands.base)
             weight_width = cgutils.unpack_tuple(builder, weight_array.shape, 2)[1]
-            acc_base = builder.gep(acc_array.data, [builder.mul(acc_row_, d)])
             weight_base = builder.gep(weight_array.data, [builder.mul(weight_row_, weight_width)])
             accumulators = [cgutils.alloca_once(builder, _vf32) for _ in range(2 * heads * tiles)]
 
