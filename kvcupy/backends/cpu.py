@@ -216,9 +216,9 @@ def paged_attention(query: np.ndarray, cache, *, block_table, seq_lens, cu_seqle
 
     out = np.empty_like(q)
     # Work: every query token reads up to its whole sequence, in every KV head.
-    query_lens = np.diff(cu_seqlens_q)
-    values_read = int(np.dot(query_lens, seq_lens)) * key_data.shape[2] * cache.head_size
     num_kv_heads = key_data.shape[2]
+    query_lens = np.diff(cu_seqlens_q)
+    values_read = int(np.dot(query_lens, seq_lens)) * num_kv_heads * cache.head_size
     group = q.shape[1] // num_kv_heads
     runs = query_runs(cu_seqlens_q, group)
     with _threads_for(values_read):
