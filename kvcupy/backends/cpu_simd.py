@@ -10,8 +10,9 @@ byte is unpacked to float32 in registers and consumed there by eight
 independent FMA chains, the number two FMA units of latency 4 keep busy.
 
 The IR uses generic 8-lane vectors and LLVM's fma intrinsic, which LLVM
-lowers to whatever the host has (AVX2 ymm registers here, pairs of xmm
-registers on SSE or NEON machines).
+lowers to what the host has: ymm registers and vfmadd on AVX2 (the only kind
+measured); narrower registers elsewhere, and on a CPU without FMA a correct
+but slow library call per lane.
 
 Layout contract (checked by the callers in `cpu_kernels`): the cache is a
 4-D byte array [block, row, head, byte] whose bytes within a row are
