@@ -227,8 +227,9 @@ _prefetch_row = _make_prefetch_row(3)
 _prefetch_row_to_l2 = _make_prefetch_row(2)
 
 
-# One work item is (query token, KV head). It walks its rows in chunks of at
-# most CHUNK rows of one block (one block_table lookup each), decodes a chunk
+# The buffer path (every format but int4 with d a multiple of 16, which
+# cpu_simd's loops take): a work item walks its rows, per KV head, in chunks of
+# at most CHUNK rows of one block (one block_table lookup each), decodes a chunk
 # into a float32 scratch buffer that stays in L1, and consumes that in tiles of
 # two jobs of TILE rows: two query heads over the same rows (each row vector
 # loaded serves both), or, for the last head of an odd group, one head over
@@ -665,7 +666,7 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
     its rows chunk by chunk, every KV head of the span per chunk: a cache
     row holds all KV heads side by side, so it reads a block's bytes in one
     sweep instead of one head's slice in every row (on the 8 x 4096 int4
-    decode of `kvcupy bench`, 8 heads a span took 0.72-0.80x the time of one).
+    decode of `kvcupy bench`, 8 heads a span took 0.72-0.79x the time of one).
 
     `lanes` workers (one per thread) claim items one at a time from a shared
     counter rather than taking a fixed share: items differ in cost (a varlen
