@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import formats, ops
+from .batch import BatchPlan, SlotMapping, plan_batch, plan_slots
 from .kvcache import KVCache
 from .rotation import RotationPlan
 
@@ -112,6 +113,11 @@ class PagedKVCache:
         self._block_tables: dict[Hashable, list[int]] = {}
         self._seq_lens: dict[Hashable, int] = {}
         self._auto_ids = itertools.count()
+        # The current step's checked metadata: slot mappings by the id of the array
+        # reserve() returned (read-only, so its contents cannot change), and batch
+        # plans by (sequences, query lengths). Any change to the pages clears both.
+        self._step_slots: dict[int, tuple[np.ndarray, SlotMapping]] = {}
+        self._step_batches: dict[tuple, BatchPlan] = {}
 
     @property
     def num_layers(self) -> int:
@@ -149,6 +155,7 @@ class PagedKVCache:
         """A new sequence with the same tokens, sharing all of `seq_id`'s pages."""
         pages = self.block_table(seq_id)
         new_seq_id = self.add_sequence(new_seq_id)
+        self._new_step()
         self._block_tables[new_seq_id] = list(pages)
         self._seq_lens[new_seq_id] = self._seq_lens[seq_id]
         for page in pages:
@@ -159,6 +166,7 @@ class PagedKVCache:
         """End the sequence; pages no other sequence holds become free."""
         for page in self._block_tables.pop(self._known(seq_id)):
             self._release(page)
+        self._new_step()
         del self._seq_lens[seq_id]
 
     # --- pages --------------------------------------------------------------
@@ -180,8 +188,19 @@ class PagedKVCache:
             raise CacheFullError(
                 f"reserving {sum(counts)} tokens for {len(seq_ids)} sequence(s) needs {needed} "
                 f"free pages; {len(self._free_pages)} of {self.num_blocks} are free")
-        slots = [self._append(seq_id, count) for seq_id, count in zip(seq_ids, counts)]
-        return np.concatenate(slots) if slots else np.zeros(0, np.int64)
+        self._new_step()
+        copies: list[tuple[int, int]] = []
+        slots = [self._append(seq_id, count, copies) for seq_id, count in zip(seq_ids, counts)]
+        ops.copy_blocks(self.layers, np.array(copies, np.int64).reshape(-1, 2))
+        slot_mapping = np.concatenate(slots) if slots else np.zeros(0, np.int64)
+        slot_mapping.flags.writeable = False
+        self._step_slots[id(slot_mapping)] = (slot_mapping, plan_slots(
+            slot_mapping, num_slots=self.num_blocks * self.block_size))
+        return slot_mapping
+
+    def _new_step(self) -> None:
+        self._step_slots.clear()
+        self._step_batches.clear()
 
     def _pages_needed(self, seq_ids: list, counts: list[int]) -> int:
         """New pages for the appends, plus one per copy-on-write copy they force."""
@@ -197,10 +216,11 @@ class PagedKVCache:
         copies = sum(min(n, self._ref_counts[page] - 1) for page, n in appends_into.items())
         return new_pages + copies
 
-    def _append(self, seq_id, count: int) -> np.ndarray:
-        """Grow one sequence by `count` tokens (pages known to be free); their slots."""
+    def _append(self, seq_id, count: int, copies: list) -> np.ndarray:
+        """Grow one sequence by `count` tokens (pages known to be free); their slots.
+        A shared last page is replaced by a private one; (shared, private) joins `copies`."""
         if count and self._shared_last_page(seq_id) is not None:
-            self._copy_last_page(seq_id)
+            copies.append(self._private_last_page(seq_id))
         start = self._seq_lens[seq_id]
         table = self._block_tables[seq_id]
         while len(table) < self._pages_for(start + count):
@@ -217,15 +237,14 @@ class PagedKVCache:
             return None
         return table[-1]
 
-    def _copy_last_page(self, seq_id) -> None:
-        """Give the sequence a private copy of its last page, in every layer."""
+    def _private_last_page(self, seq_id) -> tuple[int, int]:
+        """Give the sequence a private page for its shared last page; the caller
+        copies it in every layer. (shared, private)."""
         table = self._block_tables[seq_id]
         shared, private = table[-1], self._take_page()
-        for layer in self.layers:
-            for tensor in layer.tensors():
-                tensor[private] = tensor[shared]
         table[-1] = private
         self._release(shared)
+        return shared, private
 
     def _take_page(self) -> int:
         page = self._free_pages.pop()
@@ -243,9 +262,13 @@ class PagedKVCache:
     # --- kernels ------------------------------------------------------------
 
     def write(self, layer: int, key, value, slot_mapping) -> None:
-        """Quantize key/value [T, Hk, d] into layer `layer` at `slot_mapping` (from reserve)."""
-        ops.reshape_and_cache(key, value, self.layers[_index(layer, "layer", self.num_layers)],
-                              slot_mapping)
+        """Quantize key/value [T, Hk, d] into layer `layer` at `slot_mapping` (from reserve:
+        checked once then, whatever the number of layers)."""
+        cache = self.layers[_index(layer, "layer", self.num_layers)]
+        known = self._step_slots.get(id(slot_mapping))
+        if known is not None and known[0] is slot_mapping:
+            slot_mapping = known[1]
+        ops.reshape_and_cache(key, value, cache, slot_mapping)
 
     def attention(self, layer: int, query, seq_ids, *, query_lens=None,
                   softmax_scale: float | None = None, sliding_window: int | None = None,
@@ -256,6 +279,20 @@ class PagedKVCache:
         the last query_lens[i] positions of that sequence (None: one each, decode).
         """
         cache = self.layers[_index(layer, "layer", self.num_layers)]
+        return ops.paged_attention(query, cache, batch=self.plan(seq_ids, query_lens),
+                                   softmax_scale=softmax_scale, sliding_window=sliding_window,
+                                   softcap=softcap, sinks=sinks, out=out)
+
+    def plan(self, seq_ids, query_lens=None) -> BatchPlan:
+        """The checked metadata of attention over these sequences' newest tokens:
+        built once per step (until the pages change) and shared by every layer."""
+        key = (tuple(seq_ids) if isinstance(seq_ids, (list, tuple)) else None,
+               query_lens if query_lens is None or isinstance(query_lens, int) else tuple(query_lens))
+        try:
+            if key[0] is not None and key in self._step_batches:
+                return self._step_batches[key]
+        except TypeError:   # an unhashable id: _distinct_known names it below
+            key = (None, None)
         seq_ids = self._distinct_known(seq_ids)
         query_lens = _counts(1 if query_lens is None else query_lens, "query_lens", len(seq_ids))
         for seq_id, query_len in zip(seq_ids, query_lens):
@@ -264,10 +301,12 @@ class PagedKVCache:
                                  f"{seq_id!r}, which has {self._seq_lens[seq_id]} tokens")
         cu_seqlens_q = np.concatenate([[0], np.cumsum(query_lens, dtype=np.int64)]).astype(np.int32)
         seq_lens = np.array([self._seq_lens[s] for s in seq_ids], np.int32)
-        return ops.paged_attention(query, cache, block_table=self._batch_block_table(seq_ids),
-                                   seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
-                                   softmax_scale=softmax_scale, sliding_window=sliding_window,
-                                   softcap=softcap, sinks=sinks, out=out)
+        batch = plan_batch(block_table=self._batch_block_table(seq_ids), seq_lens=seq_lens,
+                           cu_seqlens_q=cu_seqlens_q, block_size=self.block_size,
+                           num_blocks=self.num_blocks)
+        if key[0] is not None:
+            self._step_batches[key] = batch
+        return batch
 
     def _batch_block_table(self, seq_ids: list) -> np.ndarray:
         """[S, max pages] int32. Unused entries hold page 0, a real page, so a

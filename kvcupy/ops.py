@@ -2,8 +2,15 @@
 
 Every check runs before the first write, so a rejected call leaves the cache
 byte-for-byte as it was. Errors name the argument, the value and what was
-expected: TypeError for a wrong type or dtype, ValueError for a wrong shape
-or value.
+expected: TypeError for a wrong type, dtype or placement, ValueError for a
+wrong shape or value.
+
+The backend is the one serving the device the call's data lives on (the
+cache's device; `kvcupy.backends`). Data arguments (query, key, value, out,
+sinks) must live there too and, within one call, come from one framework: the
+result comes back in that framework. Index arguments (slot_mapping,
+block_table, seq_lens, cu_seqlens_q) may be on the host instead, where they
+are checked in full and uploaded once (`kvcupy.batch` states the policy).
 """
 
 from __future__ import annotations
@@ -13,14 +20,14 @@ import numbers
 
 import numpy as np
 
-from . import formats, interop
-from .backends import cpu
+from . import backends, formats, interop
+from .batch import BatchPlan, SlotMapping, plan_batch, plan_slots
 from .formats import FP8_DTYPE, MODEL_DTYPES
-from .kvcache import KVCache
+from .interop import Array, Device
+from .kvcache import CacheArrays, KVCache
 from .rotation import RotationPlan, check_head_size, rotation_plan
 
-DEVICES = ("cpu", "cuda", "rocm")
-INDEX_DTYPES = (np.int32, np.int64)
+DEVICE_KINDS = ("cpu", "cuda", "rocm")
 
 
 # --- argument checks ------------------------------------------------------
@@ -33,34 +40,35 @@ def _positive_int(value, name: str) -> int:
     return int(value)
 
 
-def _float_array(x, name: str) -> np.ndarray:
-    array = interop.to_host(x, name)
+def _float_array(x, name: str) -> Array:
+    array = interop.as_array(x, name)
     if array.dtype not in MODEL_DTYPES.values():
         raise TypeError(f"{name} has dtype {array.dtype}; expected one of {sorted(MODEL_DTYPES)}")
     return array
 
 
-def _index_array(x, name: str, ndim: int) -> np.ndarray:
-    array = interop.to_host(x, name)
-    if array.dtype not in INDEX_DTYPES:
-        raise TypeError(f"{name} has dtype {array.dtype}; expected int32 or int64")
-    if array.ndim != ndim:
-        raise ValueError(f"{name} has shape {array.shape}; expected {ndim} dimension(s)")
-    return array
+def _expect_shape(array, shape: tuple, name: str, what: str) -> None:
+    if tuple(array.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(array.shape)}; expected {shape} ({what})")
 
 
-def _expect_shape(array: np.ndarray, shape: tuple, name: str, what: str) -> None:
-    if array.shape != shape:
-        raise ValueError(f"{name} has shape {array.shape}; expected {shape} ({what})")
+def _parse_device(device) -> Device:
+    """"cpu", "cuda", "cuda:1", "rocm" (or a Device) as a Device."""
+    if isinstance(device, Device):
+        return device
+    kind, _, index = str(device).partition(":")
+    if not isinstance(device, str) or kind not in DEVICE_KINDS or (index and not index.isdigit()):
+        raise ValueError(f"device={device!r} is not a device; expected one of {DEVICE_KINDS} "
+                         "(optionally with an index, 'cuda:1')")
+    return Device(kind, int(index or 0))
 
 
-def _check_device(device: str) -> None:
-    if device not in DEVICES:
-        raise ValueError(f"device={device!r} is not a device; expected one of {DEVICES}")
-    if device != "cpu":
-        raise ValueError(
-            f"device={device!r} is not available in this build: it has the CPU backend only "
-            "(the CUDA and ROCm kernels are not part of it yet)")
+def _on_cache_device(arrays: list[Array], cache: CacheArrays) -> None:
+    """Data arguments live where the cache does, and come from one framework."""
+    interop.same_placement(arrays)
+    if arrays[0].device != cache.device:
+        raise TypeError(f"{arrays[0].name} is on {arrays[0].device} but the cache is on "
+                        f"{cache.device}; one call runs on one device")
 
 
 def _resolve_rotation(rotation, kv_dtype: str, head_size: int) -> RotationPlan:
@@ -77,6 +85,12 @@ def _resolve_rotation(rotation, kv_dtype: str, head_size: int) -> RotationPlan:
     return rotation
 
 
+def _writable(array: Array) -> None:
+    flags = getattr(array.data, "flags", None)
+    if flags is not None and hasattr(flags, "writeable") and not flags.writeable:
+        raise ValueError(f"{array.name} is read-only; this call writes into it")
+
+
 # --- rotation -------------------------------------------------------------
 
 def rotate(x, plan: RotationPlan, inverse: bool = False):
@@ -87,7 +101,14 @@ def rotate(x, plan: RotationPlan, inverse: bool = False):
     if array.ndim == 0 or array.shape[-1] != plan.head_size:
         raise ValueError(f"x has shape {array.shape}; its last axis must be the plan's "
                          f"head_size={plan.head_size}")
-    return interop.like(cpu.rotate(array, plan, bool(inverse)), x)
+    backend = backends.for_device(array.device, "x")
+    out = _new_array(backend, array.shape, array.dtype, array.device, "out")
+    backend.rotate(array, plan, bool(inverse), out)
+    return interop.like(out, x)
+
+
+def _new_array(backend, shape, dtype: np.dtype, device: Device, name: str) -> Array:
+    return Array(backend.empty(tuple(shape), dtype, device), np.dtype(dtype), device, "native", name)
 
 
 # --- caches ---------------------------------------------------------------
@@ -95,31 +116,36 @@ def rotate(x, plan: RotationPlan, inverse: bool = False):
 def allocate_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                    kv_dtype: str = "int4_per_token_head", rotation: RotationPlan | None = None,
                    device: str = "cpu", dtype="float16") -> KVCache:
-    """A zero-filled cache; `dtype` is the model dtype an "auto" cache stores."""
+    """A zero-filled cache on `device` ("cpu", "cuda", "cuda:1", "rocm"); `dtype` is
+    the model dtype an "auto" cache stores."""
     num_blocks = _positive_int(num_blocks, "num_blocks")
     block_size = _positive_int(block_size, "block_size")
     num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
     info = formats.kv_dtype_info(kv_dtype)
     head_size = check_head_size(head_size)
     plan = _resolve_rotation(rotation, kv_dtype, head_size)
-    _check_device(device)
+    where = _parse_device(device)
+    backend = backends.for_device(where, f"device={device!r}")
     storage = info.storage_dtype(formats.model_dtype(dtype))
     shape = (num_blocks, block_size, num_kv_heads, info.stored_head_size(head_size))
 
-    def scales():
-        return np.zeros(shape[:3], np.float32) if info.quantized else None
+    def zeros(shape, dtype):
+        return backend.zeros(shape, dtype, where)
 
-    return KVCache(np.zeros(shape, storage), np.zeros(shape, storage), scales(), scales(),
+    scales = (lambda: zeros(shape[:3], np.float32)) if info.quantized else (lambda: None)
+    return KVCache(zeros(shape, storage), zeros(shape, storage), scales(), scales(),
                    kv_dtype, plan, head_size)
 
 
-def _check_strides(array: np.ndarray, name: str, contiguous_last_axis: bool = True) -> None:
+def _check_strides(array, name: str, contiguous_last_axis: bool = True) -> None:
     """Element strides everywhere; K/V rows also need a contiguous last axis.
     (Scales are [block, slot, head]: inline in vLLM's rows, their head axis is strided.)"""
-    if contiguous_last_axis and array.ndim and array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
-        raise ValueError(f"{name} must have a contiguous last axis (strides {array.strides})")
-    if any(s % array.itemsize for s in array.strides):
-        raise ValueError(f"{name} has strides {array.strides} that are not whole elements")
+    itemsize = array.dtype.itemsize
+    strides = tuple(array.strides)
+    if contiguous_last_axis and array.ndim and array.shape[-1] > 1 and strides[-1] != itemsize:
+        raise ValueError(f"{name} must have a contiguous last axis (strides {strides})")
+    if any(s % itemsize for s in strides):
+        raise ValueError(f"{name} has strides {strides} that are not whole elements")
 
 
 def wrap_cache(key_cache, value_cache, k_scale_cache=None, v_scale_cache=None, *,
@@ -130,86 +156,114 @@ def wrap_cache(key_cache, value_cache, k_scale_cache=None, v_scale_cache=None, *
     them); each needs a contiguous last axis and whole-element strides.
     """
     info = formats.kv_dtype_info(kv_dtype)
-    keys = interop.to_host(key_cache, "key_cache")
-    values = interop.to_host(value_cache, "value_cache")
+    keys = interop.as_array(key_cache, "key_cache")
+    values = interop.as_array(value_cache, "value_cache")
     allowed = ([info.storage] + ([FP8_DTYPE] if kv_dtype == "fp8_per_token_head" else [])
                if info.quantized else list(MODEL_DTYPES.values()))
-    for array, name in ((keys, "key_cache"), (values, "value_cache")):
+    for array in (keys, values):
         if array.dtype not in allowed:
-            raise TypeError(f"{name} has dtype {array.dtype}; kv_dtype={kv_dtype!r} stores "
+            raise TypeError(f"{array.name} has dtype {array.dtype}; kv_dtype={kv_dtype!r} stores "
                             f"{[str(np.dtype(a)) for a in allowed]}")
         if array.ndim != 4:
-            raise ValueError(f"{name} has shape {array.shape}; expected "
+            raise ValueError(f"{array.name} has shape {array.shape}; expected "
                              "[num_blocks, block_size, num_kv_heads, stored_head_size]")
-        _check_strides(array, name)
+        _check_strides(array.data, array.name)
     if values.shape != keys.shape or values.dtype != keys.dtype:
         raise ValueError(f"value_cache {values.shape} {values.dtype} must match key_cache "
                          f"{keys.shape} {keys.dtype}")
+    interop.same_placement([keys, values])
     head_size = check_head_size(keys.shape[3] * info.values_per_element)
     plan = _resolve_rotation(rotation, kv_dtype, head_size)
 
-    scale_arrays = []
     for scales, name in ((k_scale_cache, "k_scale_cache"), (v_scale_cache, "v_scale_cache")):
         if not info.quantized:
             if scales is not None:
                 raise ValueError(f"{name} must be None for kv_dtype='auto'")
-            scale_arrays.append(None)
             continue
         if scales is None:
             raise ValueError(f"{name} is required for kv_dtype={kv_dtype!r}")
-        array = interop.to_host(scales, name)
+        array = interop.as_array(scales, name)
         if array.dtype != np.float32:
             raise TypeError(f"{name} has dtype {array.dtype}; expected float32")
         _expect_shape(array, keys.shape[:3], name, "[num_blocks, block_size, num_kv_heads]")
-        _check_strides(array, name, contiguous_last_axis=False)
-        scale_arrays.append(scales)
-    return KVCache(key_cache, value_cache, scale_arrays[0], scale_arrays[1], kv_dtype, plan, head_size)
+        _check_strides(array.data, name, contiguous_last_axis=False)
+        interop.same_placement([keys, array])
+    return KVCache(key_cache, value_cache, k_scale_cache, v_scale_cache, kv_dtype, plan, head_size)
 
 
-def _host_cache(cache) -> KVCache:
-    """The cache with NumPy views of its tensors, fp8 viewed as its bytes."""
+def cache_arrays(cache) -> CacheArrays:
+    """The cache as its backend reads it (made once per KVCache, then reused)."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a KVCache (allocate_cache / wrap_cache), got {type(cache).__name__}")
+    if cache._arrays is not None:
+        return cache._arrays
 
     def view(tensor, name):
         if tensor is None:
             return None
-        array = interop.to_host(tensor, name)
-        return array.view(np.uint8) if array.dtype == FP8_DTYPE else array
+        array = interop.as_array(tensor, name)
+        if array.dtype == FP8_DTYPE and array.device.kind == "cpu":
+            return Array(array.data.view(np.uint8), np.dtype(np.uint8), array.device, array.framework, name)
+        return array
 
-    return KVCache(view(cache.key_cache, "cache.key_cache"), view(cache.value_cache, "cache.value_cache"),
-                   view(cache.k_scale_cache, "cache.k_scale_cache"),
-                   view(cache.v_scale_cache, "cache.v_scale_cache"),
-                   cache.kv_dtype, cache.rotation, cache.head_size)
+    fields = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
+    arrays = [view(getattr(cache, f), f"cache.{f}") for f in fields]
+    present = [a for a in arrays if a is not None]
+    interop.same_placement(present)
+    backends.for_device(present[0].device, "cache.key_cache")
+    info = formats.kv_dtype_info(cache.kv_dtype)
+    storage = info.storage if info.quantized else present[0].dtype
+    result = CacheArrays(*[None if a is None else a.data for a in arrays], cache.kv_dtype,
+                         cache.rotation, cache.head_size, storage, present[0].device)
+    object.__setattr__(cache, "_arrays", result)
+    return result
+
+
+def copy_blocks(caches, pairs) -> None:
+    """Copy block pairs[i, 0] onto block pairs[i, 1] in every cache of `caches`
+    (all tensors): copy-on-write for all layers in one backend call."""
+    caches = list(caches)
+    arrays = [cache_arrays(c) for c in caches]
+    if not arrays:
+        return
+    pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
+    num_blocks = arrays[0].num_blocks
+    if pairs.size and (pairs.min() < 0 or pairs.max() >= num_blocks):
+        raise ValueError(f"pairs refer to block {int(pairs.max() if pairs.max() >= num_blocks else pairs.min())}; "
+                         f"the caches have blocks 0..{num_blocks - 1}")
+    for i, a in enumerate(arrays[1:], 1):
+        if a.device != arrays[0].device or a.num_blocks != num_blocks:
+            raise ValueError(f"caches[{i}] ({a.device}, {a.num_blocks} blocks) differs from "
+                             f"caches[0] ({arrays[0].device}, {num_blocks} blocks)")
+    if pairs.size:
+        backends.for_device(arrays[0].device, "caches").copy_blocks(arrays, pairs)
 
 
 # --- write path -----------------------------------------------------------
 
-def reshape_and_cache(key, value, cache: KVCache, slot_mapping) -> None:
+def reshape_and_cache(key, value, cache: KVCache, slot_mapping, *, validate: bool = False) -> None:
     """Rotate, quantize and write key/value [T, Hk, d] to their slots (in place).
 
     slot_mapping[t] = block * block_size + offset; negative entries are padding.
+    It may be a SlotMapping (kvcupy.batch.plan_slots) checked once for many layers.
     """
-    host = _host_cache(cache)
+    arrays = cache_arrays(cache)
     keys = _float_array(key, "key")
     values = _float_array(value, "value")
-    expected = (keys.shape[0] if keys.ndim else 0, host.num_kv_heads, host.head_size)
+    _on_cache_device([keys, values], arrays)
+    expected = (keys.shape[0] if keys.ndim else 0, arrays.num_kv_heads, arrays.head_size)
     _expect_shape(keys, expected, "key", "[num_tokens, num_kv_heads, head_size] of the cache")
     _expect_shape(values, keys.shape, "value", "the shape of key")
     if values.dtype != keys.dtype:
         raise TypeError(f"value has dtype {values.dtype}; expected key's dtype {keys.dtype}")
-    slots = _index_array(slot_mapping, "slot_mapping", 1)
-    _expect_shape(slots, keys.shape[:1], "slot_mapping", "one slot per token")
-    valid = slots[slots >= 0]
-    if valid.size and valid.max() >= host.num_slots:
-        raise ValueError(f"slot_mapping holds slot {int(valid.max())}; the cache has "
-                         f"{host.num_slots} slots ({host.num_blocks} blocks x {host.block_size})")
-    if np.unique(valid).size != valid.size:
-        raise ValueError("slot_mapping writes one slot twice; each slot takes at most one token")
-    for tensor in host.tensors():
-        if not tensor.flags.writeable:
-            raise ValueError("cache tensors are read-only; reshape_and_cache writes in place")
-    cpu.reshape_and_cache(keys, values, host, slots.astype(np.int64))
+    slots = slot_mapping if isinstance(slot_mapping, SlotMapping) else plan_slots(
+        slot_mapping, num_slots=arrays.num_slots, validate=validate)
+    if slots.num_tokens != keys.shape[0]:
+        raise ValueError(f"slot_mapping has shape ({slots.num_tokens},); expected "
+                         f"({keys.shape[0]},) (one slot per token)")
+    for tensor, name in zip(arrays.tensors(), ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")):
+        _writable(Array(tensor, arrays.storage_dtype, arrays.device, "native", f"cache.{name}"))
+    backends.for_device(arrays.device, "cache").reshape_and_cache(keys, values, arrays, slots)
 
 
 # --- read path ------------------------------------------------------------
@@ -224,88 +278,83 @@ def _check_scalar(value, name: str, *, minimum: float, allow_equal: bool) -> flo
     return value
 
 
-def _check_batch(host: KVCache, num_tokens: int, block_table, seq_lens, cu_seqlens_q):
-    """Validated (block_table, seq_lens, cu_seqlens_q) as int32 arrays."""
-    lens = _index_array(seq_lens, "seq_lens", 1)
-    num_seqs = lens.shape[0]
-    table = _index_array(block_table, "block_table", 2)
-    if table.shape[0] != num_seqs:
-        raise ValueError(f"block_table has {table.shape[0]} rows; expected one per sequence ({num_seqs})")
-    if cu_seqlens_q is None:
-        starts = np.arange(num_seqs + 1)
-    else:
-        starts = _index_array(cu_seqlens_q, "cu_seqlens_q", 1)
-        _expect_shape(starts, (num_seqs + 1,), "cu_seqlens_q", "num_seqs + 1 offsets")
-    if starts[0] != 0 or starts[-1] != num_tokens or np.any(np.diff(starts) < 0):
-        raise ValueError(f"cu_seqlens_q={starts.tolist()} must rise from 0 to the number of "
-                         f"query tokens ({num_tokens})")
-    query_lens = np.diff(starts)
-    if np.any(lens < query_lens):
-        seq = int(np.argmax(lens < query_lens))
-        raise ValueError(f"seq_lens[{seq}]={int(lens[seq])} is shorter than its {int(query_lens[seq])} "
-                         "new query tokens")
-    capacity = table.shape[1] * host.block_size
-    if num_seqs and lens.max() > capacity:
-        raise ValueError(f"seq_lens holds {int(lens.max())} tokens; block_table rows cover "
-                         f"{capacity} ({table.shape[1]} blocks x {host.block_size})")
-    for seq in range(num_seqs):
-        num_used = -(-int(lens[seq]) // host.block_size)   # ceil(seq_len / block_size)
-        used = table[seq, :num_used]
-        if used.size and (used.min() < 0 or used.max() >= host.num_blocks):
-            bad = int(used.min() if used.min() < 0 else used.max())
-            raise ValueError(f"block_table[{seq}] refers to block {bad}; the cache has "
-                             f"blocks 0..{host.num_blocks - 1}")
-    as_int32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)
-    return as_int32(table), as_int32(lens), as_int32(starts)
+def _batch(batch, arrays: CacheArrays, num_tokens: int, block_table, seq_lens, cu_seqlens_q,
+           validate: bool) -> BatchPlan:
+    if batch is None:
+        if block_table is None or seq_lens is None:
+            raise TypeError("paged_attention needs block_table and seq_lens (or batch=)")
+        return plan_batch(block_table=block_table, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
+                          block_size=arrays.block_size, num_blocks=arrays.num_blocks,
+                          num_query_tokens=num_tokens, validate=validate)
+    if not isinstance(batch, BatchPlan):
+        raise TypeError(f"batch must be a BatchPlan (kvcupy.plan_batch), got {type(batch).__name__}")
+    if any(a is not None for a in (block_table, seq_lens, cu_seqlens_q)):
+        raise TypeError("pass either batch= or block_table/seq_lens/cu_seqlens_q, not both")
+    if (batch.block_size, batch.num_blocks) != (arrays.block_size, arrays.num_blocks):
+        raise ValueError(f"batch was planned for {batch.num_blocks} blocks of {batch.block_size}; "
+                         f"the cache has {arrays.num_blocks} of {arrays.block_size}")
+    if batch.num_query_tokens not in (None, num_tokens):
+        raise ValueError(f"query has {num_tokens} tokens; batch's cu_seqlens_q ends at "
+                         f"{batch.num_query_tokens}")
+    return batch
 
 
-def paged_attention(query, cache: KVCache, *, block_table, seq_lens, cu_seqlens_q=None,
-                    softmax_scale: float | None = None, sliding_window: int | None = None,
-                    softcap: float = 0.0, sinks=None, out=None):
+def paged_attention(query, cache: KVCache, *, block_table=None, seq_lens=None, cu_seqlens_q=None,
+                    batch: BatchPlan | None = None, softmax_scale: float | None = None,
+                    sliding_window: int | None = None, softcap: float = 0.0, sinks=None,
+                    out=None, validate: bool = False):
     """Causal attention of query [T, Hq, head_size] over the paged cache.
 
     cu_seqlens_q [S+1] delimits each sequence's new tokens in `query` (None:
     one token per sequence, i.e. decode); seq_lens [S] are the sequences'
     lengths including those tokens; block_table [S, max_blocks] maps logical
-    to physical blocks. sinks [Hq]: one extra logit per query head that joins
-    the softmax denominator without a value (gpt-oss). Returns [T, Hq, d] in
-    the query's dtype and framework; written into `out` when given.
+    to physical blocks. Instead of the three, `batch` (kvcupy.plan_batch) is
+    metadata checked and planned once for many layers. sinks [Hq]: one extra
+    logit per query head that joins the softmax denominator without a value
+    (gpt-oss). Returns [T, Hq, d] in the query's dtype and framework; written
+    into `out` when given. validate=True also checks metadata that lives on a
+    device (a synchronisation).
     """
-    host = _host_cache(cache)
+    arrays = cache_arrays(cache)
     q = _float_array(query, "query")
-    if q.ndim != 3 or q.shape[2] != host.head_size:
+    if q.ndim != 3 or q.shape[2] != arrays.head_size:
         raise ValueError(f"query has shape {q.shape}; expected [num_tokens, num_heads, "
-                         f"{host.head_size}]")
+                         f"{arrays.head_size}]")
     num_heads = q.shape[1]
-    if num_heads == 0 or num_heads % host.num_kv_heads:
+    if num_heads == 0 or num_heads % arrays.num_kv_heads:
         raise ValueError(f"query has {num_heads} heads; expected a multiple of the cache's "
-                         f"{host.num_kv_heads} KV heads")
-    table, lens, starts = _check_batch(host, q.shape[0], block_table, seq_lens, cu_seqlens_q)
+                         f"{arrays.num_kv_heads} KV heads")
+    data = [q]
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(host.head_size)
+        softmax_scale = 1.0 / math.sqrt(arrays.head_size)
     softmax_scale = _check_scalar(softmax_scale, "softmax_scale", minimum=0.0, allow_equal=False)
     softcap = _check_scalar(softcap, "softcap", minimum=0.0, allow_equal=True)
     if sliding_window is not None:
         sliding_window = _positive_int(sliding_window, "sliding_window")
     sink_logits = None
     if sinks is not None:
-        sink_logits = interop.to_host(sinks, "sinks")
+        sink_logits = interop.as_array(sinks, "sinks")
         if sink_logits.dtype.kind != "f" and sink_logits.dtype not in MODEL_DTYPES.values():
             raise TypeError(f"sinks has dtype {sink_logits.dtype}; expected a float dtype")
         _expect_shape(sink_logits, (num_heads,), "sinks", "one logit per query head")
+        interop.on_device_or_host(sink_logits, arrays.device)   # parameters, like index arrays
     out_array = None
     if out is not None:
-        out_array = interop.to_host(out, "out")
+        out_array = interop.as_array(out, "out")
         if out_array.dtype != q.dtype:
             raise TypeError(f"out has dtype {out_array.dtype}; expected the query's {q.dtype}")
         _expect_shape(out_array, q.shape, "out", "the query's shape")
-        if not out_array.flags.writeable:
-            raise ValueError("out is read-only")
+        _writable(out_array)
+        data.append(out_array)
+    _on_cache_device(data, arrays)
+    plan = _batch(batch, arrays, q.shape[0], block_table, seq_lens, cu_seqlens_q, validate)
 
-    result = cpu.paged_attention(q, host, block_table=table, seq_lens=lens, cu_seqlens_q=starts,
-                                 softmax_scale=softmax_scale, sliding_window=sliding_window,
-                                 softcap=softcap, sinks=sink_logits)
-    if out_array is not None:
-        out_array[...] = result.astype(q.dtype)
-        return out
-    return interop.like(result.astype(q.dtype), query)
+    backend = backends.for_device(arrays.device, "cache")
+    backend_plan = plan.backend_plan(
+        (backend.name, arrays.num_kv_heads, num_heads, arrays.head_size),
+        lambda: backend.plan_attention(plan, arrays, num_heads))
+    target = out_array or _new_array(backend, q.shape, q.dtype, q.device, "out")
+    backend.paged_attention(q, arrays, plan, backend_plan, softmax_scale=softmax_scale,
+                            sliding_window=sliding_window, softcap=softcap, sinks=sink_logits,
+                            out=target)
+    return out if out is not None else interop.like(target, query)

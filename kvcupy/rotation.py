@@ -75,6 +75,11 @@ class RotationPlan:
             return f"{d} = {self.mix_size} x {self.pow2_size} (H_{self.mix_size} (x) H_{self.pow2_size})"
         return f"{d}: no rotation"
 
+    def __repr__(self) -> str:
+        # One line; the signs (head_size of them) are left out: the preset names them.
+        return (f"RotationPlan(kind={self.kind!r}, head_size={self.head_size}, preset={self.preset!r}, "
+                f"structure={self.describe()!r})")
+
     def mix_matrix(self) -> np.ndarray:
         """M as float64: identity for blockdiag, H_m for kron."""
         if self.kind == "kron":
@@ -189,3 +194,22 @@ def rotation_plan(head_size: int, kind: str = "blockdiag", preset: str | None = 
             f"{KRON_ORDERS}; use kind='blockdiag'")
     m, pow2 = factors
     return RotationPlan(head_size, kind, preset, pow2, m, kvcupy_signs(head_size))
+
+
+# --- rules every backend reproduces ----------------------------------------
+
+def query_divisor(plan: RotationPlan | None, softmax_scale: float) -> float:
+    """What a query is divided by so that its dot products with cached (rotated)
+    keys are the softmax logits: q'.k' = norm * (q.k) in the rotated domain, and
+    logits are softmax_scale * q.k, so q'' = q' / (norm / softmax_scale)."""
+    norm = 1 if plan is None or plan.is_identity else plan.norm
+    return norm / softmax_scale
+
+
+def round_for_cache(rotated32: np.ndarray, input_dtype: np.dtype, plan: RotationPlan | None) -> np.ndarray:
+    """The float32 vectors that get quantized, from the float32 rotation of input
+    of `input_dtype`: the vllm preset rounds them to the input dtype first
+    (vLLM's transform returns the input dtype), other plans keep float32."""
+    if plan is not None and plan.rounds_to_input_dtype and np.dtype(input_dtype) != np.float32:
+        return rotated32.astype(input_dtype).astype(np.float32)
+    return rotated32

@@ -1,27 +1,46 @@
 """CPU backend: host-side preparation around the Numba kernels in `cpu_kernels`.
 
-Arguments arrive validated (ops.py) as NumPy arrays. This module turns them
-into what the kernels take: float32 working copies, byte views of the cache,
-the decode mode, and the int4 storage-order permutation.
+Implements the protocol of `kvcupy.backends`. Arguments arrive validated
+(ops.py) as interop.Arrays of NumPy data. This module turns them into what the
+kernels take: float32 working copies, byte views of the cache, the decode
+mode, and the int4 storage-order permutation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import numba
 import numpy as np
 
 from .. import formats
-from ..rotation import RotationPlan
+from ..rotation import RotationPlan, query_divisor, round_for_cache
 from . import cpu_kernels as kernels
 
-NAME = "cpu"
+name = "cpu"
+device_kind = "cpu"
 
 
-def is_available() -> tuple[bool, str]:
-    return True, "Numba"
+def availability() -> tuple[bool, str]:
+    return True, f"Numba {numba.__version__}, {numba.get_num_threads()} threads"
+
+
+def import_dlpack(x) -> np.ndarray:
+    return np.from_dlpack(x)
+
+
+def zeros(shape: tuple, dtype, device) -> np.ndarray:
+    return np.zeros(shape, dtype)
+
+
+def empty(shape: tuple, dtype, device) -> np.ndarray:
+    return np.empty(shape, dtype)
+
+
+def upload(array: np.ndarray, device) -> np.ndarray:
+    return array
 
 
 # Below this many float32 values of work, a call runs on the calling thread.
@@ -70,10 +89,12 @@ def _rotate_float32(x32: np.ndarray, plan: RotationPlan, inverse: bool, divisor:
     return out.reshape(x32.shape)
 
 
-def rotate(x: np.ndarray, plan: RotationPlan, inverse: bool = False) -> np.ndarray:
+def rotate(x, plan: RotationPlan, inverse: bool, out) -> None:
+    """out.data = rotation of x.data (interop.Arrays of the same shape and dtype)."""
     if plan.is_identity:
-        return x.copy()
-    return _rotate_float32(x.astype(np.float32), plan, inverse).astype(x.dtype)
+        out.data[...] = x.data
+        return
+    out.data[...] = _rotate_float32(x.data.astype(np.float32), plan, inverse)
 
 
 def rotate_for_cache(x: np.ndarray, plan: RotationPlan | None) -> np.ndarray:
@@ -81,19 +102,11 @@ def rotate_for_cache(x: np.ndarray, plan: RotationPlan | None) -> np.ndarray:
     x32 = x.astype(np.float32)
     if plan is None or plan.is_identity:
         return x32
-    rotated = _rotate_float32(x32, plan, inverse=False)
-    if plan.rounds_to_input_dtype and x.dtype != np.float32:
-        rotated = rotated.astype(x.dtype).astype(np.float32)
-    return rotated
+    return round_for_cache(_rotate_float32(x32, plan, inverse=False), x.dtype, plan)
 
 
 # --- write path -----------------------------------------------------------
 
-QUANT_KIND = {
-    "int4_per_token_head": kernels.QUANT_INT4,
-    "int8_per_token_head": kernels.QUANT_INT8,
-    "fp8_per_token_head": kernels.QUANT_FP8,
-}
 
 
 def encode(x: np.ndarray, kv_dtype: str, plan: RotationPlan | None, cache_dtype: np.dtype):
@@ -107,17 +120,19 @@ def encode(x: np.ndarray, kv_dtype: str, plan: RotationPlan | None, cache_dtype:
     scales = np.empty(vectors.shape[0], np.float32)
     zero_points = np.zeros(vectors.shape[0], np.uint8)
     with _threads_for(vectors.size):
-        kernels.quantize_vectors(vectors, QUANT_KIND[kv_dtype], codes, scales, zero_points)
+        kernels.quantize_vectors(vectors, info.kernel_id, codes, scales, zero_points)
     if kv_dtype == "int4_per_token_head":
         scales = formats.encode_int4_scale(scales, zero_points)
     return codes.reshape(x.shape[:-1] + codes.shape[-1:]), scales.reshape(x.shape[:-1])
 
 
-def reshape_and_cache(key: np.ndarray, value: np.ndarray, cache, slot_mapping: np.ndarray) -> None:
+def reshape_and_cache(key, value, cache, slots) -> None:
+    """Write key/value (interop.Arrays [T, Hk, d]) at slots (a checked SlotMapping)."""
+    slot_mapping = slots.host
     valid = slot_mapping >= 0
     blocks, offsets = np.divmod(slot_mapping[valid], cache.block_size)
-    for x, data, scales in ((key, cache.key_cache, cache.k_scale_cache),
-                            (value, cache.value_cache, cache.v_scale_cache)):
+    for x, data, scales in ((key.data, cache.key_cache, cache.k_scale_cache),
+                            (value.data, cache.value_cache, cache.v_scale_cache)):
         stored, scale = encode(x[valid], cache.kv_dtype, cache.rotation, data.dtype)
         data[blocks, offsets] = stored
         if scales is not None:
@@ -189,17 +204,41 @@ def heads_per_item(runs: np.ndarray, num_kv_heads: int, group: int, longest: int
     return max(1, min(num_kv_heads, by_balance, by_memory))
 
 
-def paged_attention(query: np.ndarray, cache, *, block_table, seq_lens, cu_seqlens_q,
-                    softmax_scale: float, sliding_window: int | None, softcap: float,
-                    sinks: np.ndarray | None) -> np.ndarray:
-    """float32 [T, Hq, d] attention output (unrotated, model channel order)."""
-    plan = cache.rotation
-    rotated = plan is not None and not plan.is_identity
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What one batch needs on the CPU, made once per BatchPlan (every layer reuses it)."""
+
+    token_seq: np.ndarray    # [T] int32: each query token's sequence
+    runs: np.ndarray         # query runs (query_runs)
+    head_span: int           # KV heads per work item (heads_per_item)
+    values_read: int         # work, for the threading threshold
+
+
+def plan_attention(batch, cache, num_query_heads: int) -> AttentionPlan:
+    seq_lens = batch.host["seq_lens"]
+    cu_seqlens_q = batch.host["cu_seqlens_q"]
+    num_kv_heads = cache.num_kv_heads
+    group = num_query_heads // num_kv_heads
+    # Work: every query token reads up to its whole sequence, in every KV head.
+    values_read = int(np.dot(np.diff(cu_seqlens_q), seq_lens)) * num_kv_heads * cache.head_size
+    runs = query_runs(cu_seqlens_q, group)
+    lanes = numba.get_num_threads() if values_read >= PARALLEL_MIN_VALUES else 1
+    head_span = heads_per_item(runs, num_kv_heads, group, int(seq_lens.max(initial=1)), lanes)
+    token_seq = np.repeat(np.arange(len(seq_lens), dtype=np.int32), np.diff(cu_seqlens_q))
+    return AttentionPlan(token_seq, runs, head_span, values_read)
+
+
+def paged_attention(query, cache, batch, plan: AttentionPlan, *, softmax_scale: float,
+                    sliding_window: int | None, softcap: float, sinks, out) -> None:
+    """out.data = attention (query, out: interop.Arrays [T, Hq, d]; model channel order)."""
+    rotation = cache.rotation
+    rotated = rotation is not None and not rotation.is_identity
     order = storage_order(cache.kv_dtype, cache.head_size)
-    q = query.astype(np.float32)
+    q = query.data.astype(np.float32)
     if rotated:
         # One pass: rotate, scale, and permute to storage order.
-        q = _rotate_float32(q, plan, inverse=False, divisor=plan.norm / softmax_scale, write_order=order)
+        q = _rotate_float32(q, rotation, inverse=False, divisor=query_divisor(rotation, softmax_scale),
+                            write_order=order)
     else:
         q = q * np.float32(softmax_scale)
         if order is not None:
@@ -210,30 +249,32 @@ def paged_attention(query: np.ndarray, cache, *, block_table, seq_lens, cu_seqle
     has_scales = cache.k_scale_cache is not None
     k_bits = cache.k_scale_cache.view(np.uint32) if has_scales else _NO_SCALES
     v_bits = cache.v_scale_cache.view(np.uint32) if has_scales else _NO_SCALES
-    token_seq = np.repeat(np.arange(len(seq_lens), dtype=np.int32), np.diff(cu_seqlens_q))
     has_sinks = sinks is not None
-    sink_logits = sinks.astype(np.float32) if has_sinks else np.zeros(q.shape[1], np.float32)
+    sink_logits = sinks.data.astype(np.float32) if has_sinks else np.zeros(q.shape[1], np.float32)
 
-    out = np.empty_like(q)
-    # Work: every query token reads up to its whole sequence, in every KV head.
-    num_kv_heads = key_data.shape[2]
-    query_lens = np.diff(cu_seqlens_q)
-    values_read = int(np.dot(query_lens, seq_lens)) * num_kv_heads * cache.head_size
-    group = q.shape[1] // num_kv_heads
-    runs = query_runs(cu_seqlens_q, group)
-    with _threads_for(values_read):
-        lanes = numba.get_num_threads()
-        head_span = heads_per_item(runs, num_kv_heads, group, int(seq_lens.max(initial=1)), lanes)
+    result = np.empty_like(q)
+    with _threads_for(plan.values_read):
         kernels.paged_attention(q, key_data, value_data, k_bits, v_bits, has_scales, mode,
-                                block_table, seq_lens, cu_seqlens_q, token_seq, runs,
+                                batch.host["block_table"], batch.host["seq_lens"],
+                                batch.host["cu_seqlens_q"], plan.token_seq, plan.runs,
                                 int(sliding_window or 0), np.float32(softcap), sink_logits,
-                                has_sinks, out, head_span, lanes)
+                                has_sinks, result, plan.head_span, numba.get_num_threads())
     if rotated:
         # One pass: back to model channel order, and rotate back.
         read_order = None if order is None else _inverse_permutation(order)
-        return _rotate_float32(out, plan, inverse=True, read_order=read_order)
-    if order is not None:
-        restored = np.empty_like(out)
-        restored[..., order] = out
-        out = restored
-    return out
+        result = _rotate_float32(result, rotation, inverse=True, read_order=read_order)
+    elif order is not None:
+        restored = np.empty_like(result)
+        restored[..., order] = result
+        result = restored
+    out.data[...] = result
+
+
+# --- copy-on-write --------------------------------------------------------
+
+def copy_blocks(caches, pairs: np.ndarray) -> None:
+    """Block pairs[i, 0] onto pairs[i, 1], every tensor of every cache."""
+    sources, destinations = pairs[:, 0], pairs[:, 1]
+    for cache in caches:
+        for tensor in cache.tensors():
+            tensor[destinations] = tensor[sources]

@@ -1,0 +1,190 @@
+"""A step's metadata, checked once and shared by every layer: `BatchPlan`, `SlotMapping`.
+
+Validation policy (the GPU's hot path must not synchronise):
+
+- Metadata on the host (NumPy arrays, lists, what `PagedKVCache` builds) is
+  checked in full on the host, where reading it is free: every slot id inside
+  the cache and used at most once, every block id a sequence reads inside the
+  cache, sequence lengths inside the block table and at least their query
+  lengths. A backend on a device uploads it once per plan, not once per layer.
+- Metadata already on a device gets shape and dtype checks only: reading its
+  contents would cost a synchronisation. Every kernel guards every id it
+  reads (a slot or block id outside the cache is skipped, a length is clipped
+  to the block table), so no id, however wrong, reads or writes outside the
+  cache; the output for a sequence with bad ids is then unspecified.
+- `validate=True` checks device contents too, at the price of a copy to the
+  host and a synchronisation.
+
+A plan is also where a backend hangs its own per-batch planning (CPU work
+items, CUDA split-KV sizes): `backend_plan` builds it once per plan and key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .interop import HOST, Array, index_array
+
+INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def _index(x, name: str, ndim: int) -> Array:
+    array = index_array(x, name)
+    if array.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} has dtype {array.dtype}; expected int32 or int64")
+    if array.ndim != ndim:
+        raise ValueError(f"{name} has shape {array.shape}; expected {ndim} dimension(s)")
+    return array
+
+
+def _to_host(array: Array) -> np.ndarray:
+    """The contents of an index array on the host (a synchronisation for a device array)."""
+    if array.device == HOST:
+        return array.data
+    return np.asarray(array.data.get() if hasattr(array.data, "get") else np.from_dlpack(array.data))
+
+
+@dataclass(eq=False)
+class _Uploads:
+    """Index arrays as each device's backend holds them, made once per device."""
+
+    host: dict[str, np.ndarray]
+    device: dict[str, Array]
+    copies: dict = field(default_factory=dict)
+
+    def on(self, backend, device) -> dict[str, Any]:
+        """name -> int32 array in the backend's array type on `device`."""
+        key = (backend.name, device)
+        if key not in self.copies:
+            arrays = {name: backend.upload(array, device) for name, array in self.host.items()}
+            arrays.update({name: array.data for name, array in self.device.items()})
+            self.copies[key] = arrays
+        return self.copies[key]
+
+
+@dataclass(eq=False)
+class BatchPlan:
+    """Attention metadata of one step: block_table [S, W], seq_lens [S],
+    cu_seqlens_q [S+1], for caches of `block_size` tokens a page and
+    `num_blocks` pages. `checked`: the contents were checked (host metadata, or
+    validate=True); `host`: the int32 host arrays when the contents are known."""
+
+    num_seqs: int
+    block_size: int
+    num_blocks: int
+    checked: bool
+    host: dict[str, np.ndarray] | None
+    _uploads: _Uploads
+    _backend_plans: dict = field(default_factory=dict)
+
+    @property
+    def num_query_tokens(self) -> int | None:
+        return None if self.host is None else int(self.host["cu_seqlens_q"][-1])
+
+    def arrays(self, backend, device) -> dict[str, Any]:
+        """block_table, seq_lens, cu_seqlens_q as `backend`'s int32 arrays on `device`."""
+        return self._uploads.on(backend, device)
+
+    def backend_plan(self, key, build: Callable[[], Any]) -> Any:
+        """A backend's own plan for this batch, built on first use and kept."""
+        if key not in self._backend_plans:
+            self._backend_plans[key] = build()
+        return self._backend_plans[key]
+
+
+def _check_contents(table: np.ndarray, lens: np.ndarray, starts: np.ndarray,
+                    block_size: int, num_blocks: int, num_query_tokens: int | None) -> None:
+    """Every rule of the batch's contents, vectorised; ValueError naming the first break."""
+    if starts[0] != 0 or np.any(np.diff(starts) < 0) or (
+            num_query_tokens is not None and starts[-1] != num_query_tokens):
+        expected = "" if num_query_tokens is None else f" ({num_query_tokens})"
+        raise ValueError(f"cu_seqlens_q={starts.tolist()[:16]} must rise from 0 to the number of "
+                         f"query tokens{expected}")
+    query_lens = np.diff(starts)
+    short = np.flatnonzero(lens < query_lens)
+    if short.size:
+        seq = int(short[0])
+        raise ValueError(f"seq_lens[{seq}]={int(lens[seq])} is shorter than its "
+                         f"{int(query_lens[seq])} new query tokens")
+    capacity = table.shape[1] * block_size
+    if lens.size and lens.max() > capacity:
+        raise ValueError(f"seq_lens holds {int(lens.max())} tokens; block_table rows cover "
+                         f"{capacity} ({table.shape[1]} blocks x {block_size})")
+    pages_used = -(-lens.astype(np.int64) // block_size)
+    used = np.arange(table.shape[1])[None, :] < pages_used[:, None]
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        seq, column = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"block_table[{seq}] refers to block {int(table[seq, column])} (column "
+                         f"{column}); the cache has blocks 0..{num_blocks - 1}")
+
+
+def plan_batch(*, block_table, seq_lens, cu_seqlens_q=None, block_size: int, num_blocks: int,
+               num_query_tokens: int | None = None, validate: bool = False) -> BatchPlan:
+    """Check a batch's metadata once (module docstring's policy) and plan it."""
+    lens = _index(seq_lens, "seq_lens", 1)
+    num_seqs = lens.shape[0]
+    table = _index(block_table, "block_table", 2)
+    if table.shape[0] != num_seqs:
+        raise ValueError(f"block_table has {table.shape[0]} rows; expected one per sequence ({num_seqs})")
+    if cu_seqlens_q is None:
+        starts = Array(np.arange(num_seqs + 1, dtype=np.int32), np.dtype(np.int32), HOST, "numpy",
+                       "cu_seqlens_q")
+    else:
+        starts = _index(cu_seqlens_q, "cu_seqlens_q", 1)
+        if starts.shape != (num_seqs + 1,):
+            raise ValueError(f"cu_seqlens_q has shape {starts.shape}; expected {(num_seqs + 1,)} "
+                             "(num_seqs + 1 offsets)")
+    named = {"block_table": table, "seq_lens": lens, "cu_seqlens_q": starts}
+    devices = {a.device for a in named.values()} - {HOST}
+    if len(devices) > 1:
+        raise TypeError(f"block_table, seq_lens and cu_seqlens_q are on {sorted(map(str, devices))}; "
+                        "expected one device (or the host)")
+
+    on_host = all(a.device == HOST for a in named.values())
+    host = None
+    if on_host or validate:
+        host = {name: np.ascontiguousarray(_to_host(a), dtype=np.int32) for name, a in named.items()}
+        _check_contents(host["block_table"], host["seq_lens"], host["cu_seqlens_q"],
+                        block_size, num_blocks, num_query_tokens)
+    host_arrays = {name: host[name] for name, a in named.items() if a.device == HOST} if host else {
+        name: np.ascontiguousarray(a.data, dtype=np.int32) for name, a in named.items() if a.device == HOST}
+    device_arrays = {name: a for name, a in named.items() if a.device != HOST}
+    return BatchPlan(num_seqs, block_size, num_blocks, checked=host is not None, host=host,
+                     _uploads=_Uploads(host_arrays, device_arrays))
+
+
+@dataclass(eq=False)
+class SlotMapping:
+    """Where each written token goes: slot ids (block * block_size + offset; < 0
+    skips the token), checked once (module docstring's policy)."""
+
+    num_tokens: int
+    checked: bool
+    host: np.ndarray | None          # int64, when the contents are known
+    _uploads: _Uploads
+
+    def on(self, backend, device):
+        """The slot ids as `backend`'s int64 array on `device`."""
+        return self._uploads.on(backend, device)["slot_mapping"]
+
+
+def plan_slots(slot_mapping, *, num_slots: int, validate: bool = False) -> SlotMapping:
+    slots = _index(slot_mapping, "slot_mapping", 1)
+    host = None
+    if slots.device == HOST or validate:
+        host = np.ascontiguousarray(_to_host(slots), dtype=np.int64)
+        valid = host[host >= 0]
+        if valid.size and valid.max() >= num_slots:
+            raise ValueError(f"slot_mapping holds slot {int(valid.max())}; the cache has "
+                             f"{num_slots} slots")
+        if np.unique(valid).size != valid.size:
+            raise ValueError("slot_mapping writes one slot twice; each slot takes at most one token")
+    if slots.device == HOST:
+        uploads = _Uploads({"slot_mapping": host}, {})
+    else:
+        uploads = _Uploads({}, {"slot_mapping": slots})
+    return SlotMapping(slots.shape[0], host is not None, host, uploads)
