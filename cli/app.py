@@ -1,30 +1,35 @@
 """The `kvcupy` command line: parse options, run a command's module, print its report.
 
 Reports go to stdout, as rich tables or, with --json, as one JSON object and
-nothing else; progress bars go to stderr. Exit status: 0 when every check
-passed, 1 when a check failed, 2 for a usage error (including a backend that
-cannot run here).
+nothing else; progress goes to stderr (a bar on a terminal, else status
+lines). Exit status: 0 when every check passed, 1 when a check failed, 2 for
+a usage error (including a backend that cannot run here).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from enum import Enum
-from typing import Callable
+from typing import Any, Callable
 
 import typer
 from rich.console import Console, RenderableType
 
 import kvcupy
+from kvcupy.backends import BackendUnavailable, resolve as resolve_backend
+from kvcupy.rotation import RotationPlan, check_head_size
 
 from . import bench as bench_module
+from . import check as check_module
 from . import render
-from .backends import BackendUnavailable, resolve_backend
 from .info import collect_info
 from .repro import ALL_KV_DTYPES, ReproConfig, run_repro, total_steps
 
+# Markdown mode: typer's "rich" mode keeps the hard line breaks of a docstring in the
+# command list and in every paragraph after the first; Markdown reflows them.
 app = typer.Typer(help="kvcupy: quantized (INT4 / INT8 / FP8) paged KV caches for LLM inference.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, rich_markup_mode="markdown")
 
 
 class Backend(str, Enum):
@@ -58,6 +63,51 @@ BACKEND_HELP = "auto: a GPU backend when one is usable, else cpu. `kvcupy info` 
 JSON_HELP = "Print one JSON object on stdout instead of tables."
 
 
+def _parse_choice(choices: type[Enum], value: Any) -> Enum:
+    if isinstance(value, choices):
+        return value
+    try:
+        return choices(value)
+    except ValueError:
+        expected = ", ".join(repr(choice.value) for choice in choices)
+        raise typer.BadParameter(f"{value!r} is not one of {expected}.") from None
+
+
+def choice_option(default: Enum, help: str) -> Any:
+    """A typer.Option taking one of the values of `default`'s Enum.
+
+    The parser is kvcupy's own because typer (0.29) checks choices inside a
+    pydantic validator, whose message for the ValueError starts with "Value
+    error, ". The metavar spaces out its `|`s because rich folds the help's
+    type column inside a word when no space lets it wrap between choices.
+    """
+    choices = type(default)
+    return typer.Option(default, help=help, parser=functools.partial(_parse_choice, choices),
+                        metavar="<" + " | ".join(choice.value for choice in choices) + ">")
+
+
+def _given_options(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among `names` (parameter names) that the user set, spelt as on the command line."""
+    def given(name: str) -> bool:
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+    return [f"'--{name.replace('_', '-')}'" for name in names if given(name)]
+
+
+def _rotation_plan(ctx: typer.Context, head_size: int, rotation: Rotation) -> RotationPlan:
+    """The plan, or a usage error that blames only options the user gave."""
+    try:
+        check_head_size(head_size)   # even, 32..256 (docs/format.md), whatever the rotation
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="'--head-size'") from None
+    try:
+        return kvcupy.rotation_plan(head_size, rotation.value)
+    except ValueError as error:
+        # The pair does not fit (kron needs d = m * 2^k): blame whichever of the two was chosen.
+        culprits = _given_options(ctx, "head_size", "rotation") or ["'--head-size'", "'--rotation'"]
+        raise typer.BadParameter(str(error), param_hint=" / ".join(culprits)) from None
+
+
 def _device(backend: Backend) -> str:
     try:
         return resolve_backend(backend.value)
@@ -78,40 +128,42 @@ def _print_report(report: dict, as_json: bool, render_report: Callable[[dict], R
 
 @app.command()
 def repro(
+    ctx: typer.Context,
     head_size: int = typer.Option(96, help="Head size d (even, 32..256); 96 is Phi-3-mini's."),
-    kv_dtype: KvDtype = typer.Option(KvDtype.all, help="KV dtype to check; all: int4, int8 and fp8 "
-                                     "(auto, unquantized float16, only when named)."),
-    rotation: Rotation = typer.Option(Rotation.blockdiag, help="Rotation applied before quantizing."),
-    backend: Backend = typer.Option(Backend.auto, help=BACKEND_HELP),
+    kv_dtype: KvDtype = choice_option(KvDtype.all, help="KV dtype to check; all: int4, int8 and fp8 "
+                                      "(auto, unquantized float16, only when named)."),
+    rotation: Rotation = choice_option(Rotation.blockdiag, help="Rotation applied before quantizing."),
+    backend: Backend = choice_option(Backend.auto, help=BACKEND_HELP),
     prompt_len: int = typer.Option(512, min=1, help="Prompt tokens (one prefill call)."),
     decode_steps: int = typer.Option(32, min=0, help="Decode steps after the prompt, one token each."),
     seed: int = typer.Option(0, help="Seed of the synthetic Q/K/V."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Run a Phi-3-mini-like attention layer (32/32 heads, block size 16) through PagedKVCache
-    on synthetic K with outlier channels, and check the rotation, the attention error of each
-    KV dtype against float64, and the implementation against the oracle on the same cache.
-    Exit status 0 only if every check passes."""
+    """Check a head size end to end: rotation, format error and implementation error of each KV dtype.
+
+    Runs a Phi-3-mini-like attention layer (32/32 heads, block size 16) through
+    PagedKVCache on synthetic K with outlier channels, and checks the rotation,
+    the attention error of each KV dtype against float64, and the
+    implementation against the oracle on the same cache. Exit status 0 only if
+    every check passes.
+    """
+    plan = _rotation_plan(ctx, head_size, rotation)   # a usage error before any backend is probed
     device = _device(backend)
-    try:
-        plan = kvcupy.rotation_plan(head_size, rotation.value)
-    except ValueError as error:
-        raise typer.BadParameter(str(error), param_hint="'--head-size' / '--rotation'") from None
     config = ReproConfig(head_size=head_size, kv_dtypes=_kv_dtypes(kv_dtype, ALL_KV_DTYPES),
                          rotation=plan, backend=device, prompt_len=prompt_len,
                          decode_steps=decode_steps, seed=seed)
-    with render.progress_bar(total_steps(config), Console(stderr=True)) as advance:
-        report = run_repro(config, advance)
+    with render.progress_display(total_steps(config), Console(stderr=True)) as display:
+        report = run_repro(config, display.advance)
     _print_report(report, as_json, render.repro_tables)
     raise typer.Exit(0 if report["passed"] else 1)
 
 
 @app.command()
 def bench(
-    backend: Backend = typer.Option(Backend.auto, help=BACKEND_HELP),
-    kv_dtype: KvDtype = typer.Option(KvDtype.all, help="KV dtype to time; all: int4, int8, fp8, auto."),
-    phase: Phase = typer.Option(Phase.all, help="Decode (8 seqs x 4096 tokens), prefill (1 x 2048, "
-                                "causal) or both."),
+    backend: Backend = choice_option(Backend.auto, help=BACKEND_HELP),
+    kv_dtype: KvDtype = choice_option(KvDtype.all, help="KV dtype to time; all: int4, int8, fp8, auto."),
+    phase: Phase = choice_option(Phase.all, help="Decode (8 seqs x 4096 tokens), prefill (1 x 2048, "
+                                 "causal) or both."),
     repeats: int = typer.Option(9, min=1, help="Timed calls per decode case, over all rounds (the "
                                 "median is reported)."),
     prefill_repeats: int = typer.Option(3, min=1, help="Timed calls per prefill case (each takes seconds)."),
@@ -121,16 +173,21 @@ def bench(
     quick: bool = typer.Option(False, help="Small shapes (2 x 256 decode, 1 x 128 prefill; 8/2 heads)."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Time paged decode and prefill (32/8 heads, d = 128) for each KV dtype against NumPy
-    float32 dense attention on already-dequantized K/V, in the same run."""
+    """Time paged decode and prefill for each KV dtype against NumPy dense attention.
+
+    The layer is Llama-3-8B-like (32/8 heads, d = 128); the baseline is NumPy
+    float32 dense attention on already-dequantized K/V, timed in the same run.
+    The first call of each case compiles kvcupy's kernels, which can take a while.
+    """
     device = _device(backend)
     shapes = tuple(shape for shape in (bench_module.QUICK_SHAPES if quick else bench_module.FULL_SHAPES)
                    if phase is Phase.all or shape.phase == phase.value)
     kv_dtypes = _kv_dtypes(kv_dtype, bench_module.ALL_KV_DTYPES)
     repeats_by_phase = {"decode": repeats, "prefill": prefill_repeats}
     steps = bench_module.total_steps(shapes, kv_dtypes, repeats_by_phase, rounds)
-    with render.progress_bar(steps, Console(stderr=True)) as advance:
-        report = bench_module.run_bench(shapes, kv_dtypes, device, warmup, repeats_by_phase, rounds, advance)
+    with render.progress_display(steps, Console(stderr=True)) as display:
+        report = bench_module.run_bench(shapes, kv_dtypes, device, warmup, repeats_by_phase, rounds,
+                                        display.advance, display.status)
     _print_report(report, as_json, render.bench_tables)
 
 
@@ -139,3 +196,6 @@ def info(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
     """Versions of kvcupy and its dependencies, and which backends are usable here (and why not)."""
     report = collect_info()
     _print_report(report, as_json, render.info_tables)
+
+
+app.command(name="check")(check_module.check)

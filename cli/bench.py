@@ -12,14 +12,16 @@ first (not timed).
 Every case is timed with time.perf_counter around whole calls, in `rounds`
 rounds: each round times the baseline and then every KV dtype, so slow
 phases of a shared machine fall on all of them alike rather than on whichever
-case ran then. Before its timed calls in a round, a case is called untimed
-for at least `warmup` calls and SETTLE_S seconds: compilation and first
-touch of memory happen there, and so does the wait for the previous case's
-threads to go idle (OpenBLAS workers keep spinning for about 0.1 s after a
-matmul; measured on a 2-core machine, the first four kvcupy decode calls
-after the baseline took 2-3x their steady time). Each case's timed calls of
-all rounds are pooled and their median is reported. speedup_vs_baseline =
-baseline median / kvcupy median: above 1, kvcupy is faster.
+case ran then. Each kvcupy case is called once before the rounds, which is
+where its kernels compile (the progress display says so, since on a first
+run that call alone takes seconds). Before its timed calls in a round, a case
+is called untimed for at least `warmup` calls and SETTLE_S seconds: its
+memory is warm after that, and the previous case's threads have gone idle
+(OpenBLAS workers keep spinning for about 0.1 s after a matmul; measured on
+a 2-core machine, the first four kvcupy decode calls after the baseline took
+2-3x their steady time). Each case's timed calls of all rounds are pooled
+and their median is reported. speedup_vs_baseline = baseline median /
+kvcupy median: above 1, kvcupy is faster.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ FULL_SHAPES = (Shape("decode", 8, 4096, 32, 8, 128), Shape("prefill", 1, 2048, 3
 # Small enough for tests: a second or two in all.
 QUICK_SHAPES = (Shape("decode", 2, 256, 8, 2, 128), Shape("prefill", 1, 128, 8, 2, 128))
 
-Progress = Callable[[str], None]
+Progress = Callable[[str], None]   # called with the name of a step that ended, or starts
 
 
 @dataclass(frozen=True)
@@ -168,13 +170,18 @@ def attended_tokens(shape: Shape) -> int:
 
 
 def bench_shape(shape: Shape, kv_dtypes: tuple[str, ...], device: str, warmup: int, repeats: int,
-                rounds: int, progress: Progress) -> list[dict]:
-    """The baseline and each KV dtype on one shape, interleaved in rounds."""
+                rounds: int, progress: Progress, status: Progress) -> list[dict]:
+    """The baseline and each KV dtype on one shape, interleaved in rounds.
+    progress(name): a case's calls in a round are done; status(text): what starts now."""
     inputs = make_inputs(shape, np.random.default_rng(SEED))
     calls = {"baseline": dense_attention_call(shape, inputs)}
     caches = {}
     for kv_dtype in kv_dtypes:
+        # Writing the cache and the first call compile the kernels this case needs
+        # (Numba: seconds each, first run only; later runs load them from its cache).
+        status(f"{shape.phase}: {kv_dtype}: compiling kernels (first run only)")
         calls[kv_dtype], caches[kv_dtype] = paged_attention_call(shape, inputs, kv_dtype, device)
+        calls[kv_dtype]()
     times: dict[str, list[float]] = {name: [] for name in calls}
     for count in split_repeats(repeats, rounds):
         for name, call in calls.items():
@@ -196,11 +203,12 @@ def bench_shape(shape: Shape, kv_dtypes: tuple[str, ...], device: str, warmup: i
 
 
 def run_bench(shapes: tuple[Shape, ...], kv_dtypes: tuple[str, ...], device: str, warmup: int,
-              repeats: dict[str, int], rounds: int, progress: Progress) -> dict:
+              repeats: dict[str, int], rounds: int, progress: Progress, status: Progress) -> dict:
     """repeats: timed calls per case and phase ("decode", "prefill"), spread over `rounds` rounds."""
     cases = []
     for shape in shapes:
-        cases += bench_shape(shape, kv_dtypes, device, warmup, repeats[shape.phase], rounds, progress)
+        cases += bench_shape(shape, kv_dtypes, device, warmup, repeats[shape.phase], rounds, progress,
+                             status)
     return {"backend": device, "model_dtype": MODEL_DTYPE.name, "block_size": BLOCK_SIZE,
             "warmup": warmup, "settle_s": SETTLE_S, "rounds": rounds, "cases": cases}
 

@@ -32,7 +32,7 @@ FP8_SUBNORMAL_HALF_STEP = 2.0 ** -10
 
 
 def _half_steps(rotated: np.ndarray, kv_dtype: str, model_dtype: np.dtype) -> np.ndarray:
-    """The largest rounding error FORMAT.md allows on each value the cache stores
+    """The largest rounding error docs/format.md allows on each value the cache stores
     (rotated: [..., d] float64, the vectors before quantization; same shape)."""
     if kv_dtype == "int4_per_token_head":
         step = (rotated.max(axis=-1) - rotated.min(axis=-1)) / INT4_LEVELS

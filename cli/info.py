@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import kvcupy
 
-from .backends import all_backend_status
+from kvcupy.backends import list_backends as all_backend_status
 
 # Imported to read their versions; CuPy is optional and reported only when importable.
 REQUIRED_PACKAGES = ("numpy", "numba", "ml_dtypes")

@@ -1,4 +1,4 @@
-"""Everything the commands draw on the terminal: rich tables of their reports, and the progress bar.
+"""Everything the commands draw on the terminal: rich tables of their reports, and their progress.
 
 Each function takes the JSON-ready report a command builds, so the table and
 `--json` always show the same numbers.
@@ -7,7 +7,8 @@ Each function takes the JSON-ready report a command builds, so the table and
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -18,14 +19,31 @@ def _verdict(passed: bool) -> str:
     return "[bold green]PASS[/]" if passed else "[bold red]FAIL[/]"
 
 
+@dataclass(frozen=True)
+class ProgressDisplay:
+    """advance(description): one unit of work is done, `description` names it.
+    status(description): what runs now, when it may run long (it does not advance)."""
+
+    advance: Callable[[str], None]
+    status: Callable[[str], None]
+
+
 @contextmanager
-def progress_bar(total: int, console: Console) -> Iterator:
-    """Yields advance(description): one unit of work is done, `description` names it.
-    The bar is transient (gone when done) and drawn only on a terminal."""
+def progress_display(total: int, console: Console) -> Iterator[ProgressDisplay]:
+    """A transient bar (gone when done) on a terminal. Elsewhere (a log, a pipe,
+    CI) no bar, but each status is printed as a line of its own, so that a
+    long quiet step, such as compiling kernels, is explained where it happens."""
+    if not console.is_terminal:
+        yield ProgressDisplay(advance=lambda description: None,
+                              status=lambda description: console.print(description, markup=False,
+                                                                       highlight=False, soft_wrap=True))
+        return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+    with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("starting", total=total)
-        yield lambda description: progress.update(task, advance=1, description=description)
+        yield ProgressDisplay(
+            advance=lambda description: progress.update(task, advance=1, description=description),
+            status=lambda description: progress.update(task, description=description))
 
 
 def repro_tables(report: dict) -> Group:

@@ -110,7 +110,7 @@ def run_through_manager(config: ReproConfig, kv_dtype: str, workload: Workload,
 def block_table_from_slots(slot_mapping: np.ndarray) -> np.ndarray:
     """The sequence's block table [1, num_blocks], read off the slots the manager gave.
 
-    FORMAT.md puts position p at slot block_table[p // B] * B + p % B, so the
+    docs/format.md puts position p at slot block_table[p // B] * B + p % B, so the
     slots fix the table; a manager that broke that layout fails here.
     """
     positions = np.arange(slot_mapping.size)

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import inspect
+import io
 import json
 import math
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from cli import bench as bench_module
-from cli import bounds
-from cli.app import app
-from cli.backends import backend_status
+from cli import bounds, render
+from cli.app import KvDtype, app, bench, repro
+from kvcupy.backends import status as backend_status
 
 runner = CliRunner()
 
@@ -112,6 +114,72 @@ def test_unsupported_head_size_is_a_usage_error():
     assert "head_size=97 is not supported" in plain_text(result.stderr)
 
 
+@pytest.mark.parametrize("args", [["--head-size", "95"], ["--head-size", "95", "--rotation", "kron"]])
+def test_bad_head_size_blames_head_size_alone(args):
+    """A head size outside 32..256 (or odd) is wrong whatever the rotation."""
+    result = runner.invoke(app, ["repro", *args])
+    assert result.exit_code == 2, result.output
+    message = plain_text(result.stderr)
+    assert "Invalid value for '--head-size': head_size=95 is not supported" in message, message
+    assert "--rotation" not in message, message
+
+
+def test_head_size_without_kron_rotation_blames_both_given_options():
+    result = runner.invoke(app, ["repro", "--head-size", "72", "--rotation", "kron"])   # 72 = 9 x 8
+    assert result.exit_code == 2, result.output
+    message = plain_text(result.stderr)
+    assert "Invalid value for '--head-size' / '--rotation': head_size=72 has no kron rotation" in message, \
+        message
+
+
+@pytest.mark.parametrize(("command", "option", "value", "choices"), [
+    ("repro", "--kv-dtype", "int3", "'all', 'int4_per_token_head', 'int8_per_token_head', "
+                                    "'fp8_per_token_head', 'auto'"),
+    ("repro", "--rotation", "hadamard", "'blockdiag', 'kron', 'none'"),
+    ("bench", "--backend", "tpu", "'auto', 'cpu', 'cuda', 'rocm'"),
+    ("bench", "--phase", "warmup", "'all', 'decode', 'prefill'"),
+])
+def test_unknown_choice_gets_kvcupys_message(command, option, value, choices):
+    result = runner.invoke(app, [command, option, value])
+    assert result.exit_code == 2, result.output
+    message = plain_text(result.stderr)
+    assert f"Invalid value for '{option}': '{value}' is not one of {choices}." in message, message
+    assert "Value error" not in message, message
+
+
+def help_lines(args: list[str], columns: int) -> list[str]:
+    """The help screen as rich draws it `columns` wide, each line without its box and margins."""
+    result = runner.invoke(app, [*args, "--help"], env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
+    return [re.sub(r"[\u2500-\u257f]", " ", line).strip() for line in result.stdout.splitlines()]
+
+
+def docstring_line_ends(command) -> list[str]:
+    """The last three words of every docstring line that does not end its paragraph."""
+    paragraphs = inspect.cleandoc(command.__doc__).split("\n\n")
+    return [" ".join(line.split()[-3:]) for paragraph in paragraphs for line in paragraph.splitlines()[:-1]]
+
+
+@pytest.mark.parametrize("columns", [120, 200])
+@pytest.mark.parametrize("args", [[], ["repro"], ["bench"]])
+def test_help_reflows_docstring_paragraphs(args, columns):
+    """No help line stops where a docstring line does: on a screen wider than the
+    source lines, a paragraph drawn with its hard line breaks would."""
+    lines = help_lines(args, columns)
+    commands = {"repro": repro, "bench": bench}
+    for command in [commands[args[0]]] if args else commands.values():
+        for line_end in docstring_line_ends(command):
+            assert not any(line.endswith(line_end) for line in lines), (args, columns, line_end)
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+@pytest.mark.parametrize("command", ["repro", "bench"])
+def test_help_wraps_choice_lists_between_choices(command, columns):
+    help_text = "\n".join(help_lines([command], columns))
+    for choice in KvDtype:
+        assert re.search(rf"(^|[<| ]){choice.value}([>| ]|$)", help_text, re.M), (command, columns, choice)
+
+
 def test_info_json_lists_versions_and_backends():
     exit_code, info = run_json(["info"])
     assert exit_code == 0
@@ -129,6 +197,12 @@ def test_python_dash_m_cli_is_the_same_command():
     assert json.loads(completed.stdout)["versions"]["kvcupy"]
 
 
+def test_cli_modules_import_each_other_relatively():
+    """The wheel installs cli/ as kvcupy.cli: an absolute `cli` import would fail there."""
+    for path in (Path(__file__).resolve().parents[1] / "cli").glob("*.py"):
+        assert not re.search(r"^\s*(from|import) cli\b", path.read_text(), re.M), path.name
+
+
 def test_bench_quick_json_reports_ratios():
     exit_code, report = run_json(["bench", "--quick", "--repeats", "3", "--prefill-repeats", "2"])
     assert exit_code == 0
@@ -143,6 +217,33 @@ def test_bench_quick_json_reports_ratios():
     assert report["rounds"] == 3
 
 
+def test_bench_says_when_it_compiles_one_line_per_case():
+    """Off a terminal (CliRunner, a log, CI) the first call of each case, where the
+    kernels compile, is announced on stderr; stdout still holds the report alone."""
+    result = runner.invoke(app, ["bench", "--quick", "--kv-dtype", "int8_per_token_head", "--repeats", "1",
+                                 "--prefill-repeats", "1", "--rounds", "1", "--warmup", "0", "--json"])
+    assert result.exit_code == 0, result.output
+    status_lines = [line for line in result.stderr.splitlines() if "compiling" in line]
+    assert status_lines == [f"{phase}: int8_per_token_head: compiling kernels (first run only)"
+                            for phase in ("decode", "prefill")], result.stderr
+    assert json.loads(result.stdout)["cases"]
+
+
+def test_progress_display_shows_the_status_on_a_terminal():
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=120)
+    with render.progress_display(3, terminal) as display:
+        display.status("decode: int4_per_token_head: compiling kernels (first run only)")
+    assert "compiling kernels (first run only)" in terminal.file.getvalue()
+
+
+def test_progress_display_off_a_terminal_prints_status_lines_only():
+    log = Console(file=io.StringIO(), force_terminal=False, width=40)
+    with render.progress_display(3, log) as display:
+        display.advance("decode: numpy float32 dense")
+        display.status("decode: int4_per_token_head: compiling kernels (first run only)")
+    assert log.file.getvalue() == "decode: int4_per_token_head: compiling kernels (first run only)\n"
+
+
 @pytest.mark.parametrize(("repeats", "rounds", "expected"), [
     (9, 3, [3, 3, 3]), (7, 3, [3, 2, 2]), (2, 3, [1, 1]), (1, 1, [1]), (5, 2, [3, 2]),
 ])
@@ -150,13 +251,30 @@ def test_bench_spreads_repeats_over_rounds(repeats, rounds, expected):
     assert bench_module.split_repeats(repeats, rounds) == expected
 
 
-def test_bench_times_exactly_the_requested_calls_after_settling(monkeypatch):
-    monkeypatch.setattr(bench_module, "SETTLE_S", 0.02)
-    calls = []
-    times = bench_module.time_calls(lambda: calls.append(time.perf_counter()), warmup=2, repeats=4)
-    assert len(times) == 4
-    untimed = len(calls) - 4
-    assert untimed >= 2
-    # Untimed calls went on until the settle time had passed, and no longer.
-    assert calls[untimed - 1] - calls[0] < 0.02
-    assert calls[untimed] - calls[0] >= 0.02 - 1e-3
+class FakeClock:
+    """time.perf_counter for bench: each call of the timed function takes CALL_S."""
+
+    CALL_S = 2.0 ** -7   # exact in binary, so that sums of it compare exactly
+
+    def __init__(self):
+        self.now = 0.0
+        self.calls = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def call(self) -> None:
+        self.calls.append(self.now)
+        self.now += self.CALL_S
+
+
+@pytest.mark.parametrize(("warmup", "untimed"), [(2, 4), (6, 6), (0, 4)])
+def test_bench_times_exactly_the_requested_calls_after_settling(monkeypatch, warmup, untimed):
+    """Untimed calls go on for `warmup` calls and until SETTLE_S has passed, and no longer.
+    (A fake clock: on a loaded machine the real one makes any bound on the last call flaky.)"""
+    clock = FakeClock()
+    monkeypatch.setattr(bench_module, "time", clock)
+    monkeypatch.setattr(bench_module, "SETTLE_S", 4 * FakeClock.CALL_S)
+    times = bench_module.time_calls(clock.call, warmup=warmup, repeats=3)
+    assert times == [FakeClock.CALL_S] * 3
+    assert len(clock.calls) == untimed + 3

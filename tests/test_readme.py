@@ -1,18 +1,49 @@
-"""The README's example runs as written, and its commands are the ones CI runs."""
+"""The README's examples run as written, and its commands are the ones CI runs."""
 
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+EXAMPLES = re.findall(r"```python\n(.*?)```", README, re.S)
+
+
+def run_example(framework: str) -> dict:
+    """Run the README example that starts by importing `framework`; its variables."""
+    example = next(block for block in EXAMPLES if block.startswith(f"import {framework}"))
+    namespace = {}
+    exec(compile(example, f"README.md ({framework} example)", "exec"), namespace)
+    return namespace
 
 
 def test_readme_example_runs():
-    example = re.search(r"```python\n(.*?)```", README, re.S).group(1)
-    namespace = {}
-    exec(compile(example, "README.md", "exec"), namespace)
+    namespace = run_example("numpy")
     out, query = namespace["out"], namespace["query"]
     assert out.shape == query.shape and out.dtype == query.dtype
+
+
+def test_readme_torch_example_answers_in_torch():
+    torch = pytest.importorskip("torch")
+    namespace = run_example("torch")
+    out, query = namespace["out"], namespace["query"]
+    assert isinstance(out, torch.Tensor) and out.device == query.device
+    assert out.shape == query.shape and out.dtype == query.dtype
+    assert torch.isfinite(out).all()
+
+
+def test_readme_jax_example_answers_in_jax():
+    jax = pytest.importorskip("jax")
+    namespace = run_example("jax")
+    out, query = namespace["out"], namespace["query"]
+    assert isinstance(out, jax.Array)
+    assert out.shape == query.shape and out.dtype == query.dtype
+    assert bool(jax.numpy.isfinite(out).all())
+
+
+def test_readme_links_the_format_document():
+    assert "(docs/format.md)" in README and (ROOT / "docs" / "format.md").is_file()
 
 
 def test_ci_runs_the_readme_test_command():
