@@ -78,6 +78,7 @@ class BatchPlan:
     checked: bool
     host: dict[str, np.ndarray] | None
     _uploads: _Uploads
+    num_query_tokens_hint: int | None = None   # T, where the contents are on a device
     _backend_plans: dict = field(default_factory=dict)
 
     @property
@@ -154,7 +155,7 @@ def plan_batch(*, block_table, seq_lens, cu_seqlens_q=None, block_size: int, num
         name: np.ascontiguousarray(a.data, dtype=np.int32) for name, a in named.items() if a.device == HOST}
     device_arrays = {name: a for name, a in named.items() if a.device != HOST}
     return BatchPlan(num_seqs, block_size, num_blocks, checked=host is not None, host=host,
-                     _uploads=_Uploads(host_arrays, device_arrays))
+                     _uploads=_Uploads(host_arrays, device_arrays), num_query_tokens_hint=num_query_tokens)
 
 
 @dataclass(eq=False)

@@ -35,14 +35,14 @@ NONFINITE_SCALE_BITS = 0x7FC00000
 FP8_HALF_ULP = 2.0 ** -4
 FP8_SUBNORMAL_HALF_STEP = 2.0 ** -10
 
-# Model dtypes as kernels spell them; the one dtype-to-C++ table. HIP's
-# compatibility header maps the CUDA names.
+# Dtypes as kernels spell them (kernels_cu/types.cuh defines the kvc:: names:
+# NVRTC's pip wheel has no cuda_fp16.h); the one dtype-to-C++ table.
 CPP_TYPES = {
-    np.dtype(np.float16): "__half",
-    np.dtype(ml_dtypes.bfloat16): "__nv_bfloat16",
+    np.dtype(np.float16): "kvc::half",
+    np.dtype(ml_dtypes.bfloat16): "kvc::bfloat16",
     np.dtype(np.float32): "float",
-    np.dtype(np.uint8): "uint8_t",
-    np.dtype(np.int8): "int8_t",
+    np.dtype(np.uint8): "kvc::u8",
+    np.dtype(np.int8): "kvc::i8",
 }
 
 

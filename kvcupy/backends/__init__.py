@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -83,6 +84,10 @@ class BackendStatus:
 
 
 _loaded: dict[str, Any] = {}
+# Whether a backend can run does not change within a process: asked once (a
+# GPU backend's answer costs a driver query), then served from here.
+_statuses: dict[str, "BackendStatus"] = {}
+_serving: dict[str, Any] = {}   # device kind -> its usable backend, once found
 
 
 def register(name: str, backend, device_kind: str) -> None:
@@ -90,11 +95,15 @@ def register(name: str, backend, device_kind: str) -> None:
     The last one registered for a device kind serves that kind."""
     _REGISTRY[name] = (backend, device_kind)
     _loaded.pop(name, None)
+    _statuses.pop(name, None)
+    _serving.clear()
 
 
 def unregister(name: str) -> None:
     _REGISTRY.pop(name)
     _loaded.pop(name, None)
+    _statuses.pop(name, None)
+    _serving.clear()
 
 
 def names() -> tuple[str, ...]:
@@ -122,7 +131,7 @@ def _load(name: str):
     if not isinstance(target, str):
         _loaded[name] = target
         return target
-    if importlib.util.find_spec(target) is None:
+    if target not in sys.modules and importlib.util.find_spec(target) is None:
         reasons = ["not in this build of kvcupy"] + _machine_gaps(device_kind)
         raise BackendUnavailable("; ".join(reasons))
     try:
@@ -135,13 +144,19 @@ def _load(name: str):
 
 
 def status(name: str) -> BackendStatus:
+    if name in _statuses:
+        return _statuses[name]
     device_kind = _REGISTRY[name][1] if name in _REGISTRY else "?"
     try:
         backend = _load(name)
     except BackendUnavailable as error:
-        return BackendStatus(name, device_kind, False, str(error))
-    usable, detail = backend.availability()
-    return BackendStatus(name, device_kind, bool(usable), detail)
+        found = BackendStatus(name, device_kind, False, str(error))
+    else:
+        usable, detail = backend.availability()
+        found = BackendStatus(name, device_kind, bool(usable), detail)
+    if name in _REGISTRY:
+        _statuses[name] = found
+    return found
 
 
 def list_backends() -> list[BackendStatus]:
@@ -170,6 +185,8 @@ def get(name: str):
 def for_device(device, argument: str = "the arrays"):
     """The backend serving `device` (an interop.Device), or a ValueError that names
     the argument found there and says why its backend cannot run."""
+    if device.kind in _serving:
+        return _serving[device.kind]
     serving = [name for name, (_, kind) in _REGISTRY.items() if kind == device.kind]
     if not serving:
         raise ValueError(f"{argument} is on {device}; no kvcupy backend serves {device.kind} devices")
@@ -178,4 +195,9 @@ def for_device(device, argument: str = "the arrays"):
     if not found.usable:
         raise ValueError(f"{argument} is on {device}, but the {name.upper()} backend is "
                          f"unavailable here: {found.detail}")
+    if status is _status:   # not replaced (tests replace it to fake a machine)
+        _serving[device.kind] = _load(name)
     return _load(name)
+
+
+_status = status

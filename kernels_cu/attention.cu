@@ -1,0 +1,80 @@
+// Entry points of the attention family: specialised by -D constants (see
+// kvcupy/backends/cuda_attention.py, which chooses them):
+//   KVC_ATTN_KV (attention.cuh's KV_* codes), KVC_HEAD_PAD, KVC_HEADS (warps = KV heads
+//   per block), KVC_M_TILES, KVC_TILE, KVC_STAGES, KVC_CHUNK; KVC_OUT_T, KVC_IN_T.
+#include "attention.cuh"
+
+using namespace kvc_attn;
+
+#ifdef KVC_ATTN_KV
+typedef Attention<KVC_ATTN_KV, KVC_HEAD_PAD, KVC_HEADS, KVC_M_TILES, KVC_TILE, KVC_STAGES, KVC_CHUNK> Kernel;
+
+extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS)
+paged_attention(const float* query, const u8* key_cache, const u8* value_cache, const u8* k_scales,
+                const u8* v_scales, const long long* strides, const int* block_table, const int* seq_lens,
+                const int* cu_seqlens_q, const int* tiles, float* part_out, float* part_stats, int num_tokens,
+                int num_heads, int group, int head_size, int row_bytes, int block_size, int block_shift,
+                int num_blocks, int table_width, int split_tokens, int window, float softcap, float code_unit) {
+  // The twelve byte strides (block, slot, head of K, V, K scales, V scales) come
+  // as one small device array, uploaded once per cache.
+  __shared__ long long shared_strides[12];
+  if (threadIdx.x < 12) shared_strides[threadIdx.x] = strides[threadIdx.x];
+  __syncthreads();
+  Params p;
+  p.query = query;
+  p.key_cache = key_cache;
+  p.value_cache = value_cache;
+  p.k_scales = k_scales;
+  p.v_scales = v_scales;
+  p.k_block_stride = shared_strides[0];
+  p.k_slot_stride = shared_strides[1];
+  p.k_head_stride = shared_strides[2];
+  p.v_block_stride = shared_strides[3];
+  p.v_slot_stride = shared_strides[4];
+  p.v_head_stride = shared_strides[5];
+  p.ks_block_stride = shared_strides[6];
+  p.ks_slot_stride = shared_strides[7];
+  p.ks_head_stride = shared_strides[8];
+  p.vs_block_stride = shared_strides[9];
+  p.vs_slot_stride = shared_strides[10];
+  p.vs_head_stride = shared_strides[11];
+  p.block_table = block_table;
+  p.seq_lens = seq_lens;
+  p.cu_seqlens_q = cu_seqlens_q;
+  p.tiles = tiles;
+  p.part_out = part_out;
+  p.part_stats = part_stats;
+  p.num_tokens = num_tokens;
+  p.num_heads = num_heads;
+  p.group = group;
+  p.head_size = head_size;
+  p.row_bytes = row_bytes;
+  p.block_size = block_size;
+  p.num_blocks = num_blocks;
+  p.table_width = table_width;
+  p.split_tokens = split_tokens;
+  p.window = window;
+  p.softcap = softcap;
+  p.code_unit = code_unit;
+  Kernel::run(p, block_shift);
+}
+#endif
+
+#ifdef KVC_OUT_T
+extern "C" __global__ void merge_splits(const float* part_out, const float* part_stats, const float* sinks,
+                                        KVC_OUT_T* out, int num_splits, int num_tokens, int num_heads,
+                                        int head_size) {
+  kvc_attn::merge_splits<KVC_OUT_T>(part_out, part_stats, sinks, out, num_splits, num_tokens, num_heads,
+                                    head_size);
+}
+#endif
+
+#ifdef KVC_IN_T
+// query [n] in the model dtype -> float32 times scale (the softmax scale, when
+// no rotation folds it in).
+extern "C" __global__ void scale_query(const KVC_IN_T* query, float* out, long long n, float scale) {
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x)
+    out[i] = kvc::to_float(query[i]) * scale;
+}
+#endif

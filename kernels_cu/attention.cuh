@@ -1,0 +1,656 @@
+// Paged attention over a quantized (or plain) KV cache, on tensor cores.
+//
+// One thread block serves one (sequence, query row tile, KV-head group, split of
+// the keys); one warp serves one KV head. A cache row holds every KV head of a
+// token side by side, so the block stages a tile of tokens for all its heads as
+// contiguous bytes (cp.async, STAGES deep) and each warp reads its head's rows
+// from shared memory.
+//
+// The warp computes with mma.sync m16n8k16 (fp16, or bf16 for bf16 caches,
+// fp32 accumulators):
+//   scores  S[row, token] = Q[row, :] . K[token, :]       M = query rows, N = tokens
+//   output  O^T[dim, row] += V^T[dim, token] . P^T[token, row]   M = dims, N = rows
+// Rows are (query token, query head of the KV head's group) pairs, 8 per M tile;
+// the other 8 rows of each M tile carry the low half of a two-term split of the
+// query (q = hi + lo, both fp16), so that scores keep ~22 bits of the query
+// instead of fp16's 11 at no extra instruction: S = C[row] + C[row + 8].
+// The score fragments of the first product are, per thread, exactly the P
+// fragments the second one needs (FlashAttention-2's register reuse).
+//
+// Cache codes enter the products exactly: int4 nibbles and int8 codes are
+// small integers, fp8 e4m3 is a subset of fp16 times 2^-8, and the int4
+// zero-point is subtracted while converting (code - zp is an exact fp16
+// integer). Scales apply in fp32 on the score side (K) and on the
+// probability side (V). For V the probabilities are multiplied by
+// scale / R, R the largest V scale seen so far by this warp (a running
+// reference, rescaled like the softmax maximum), so that the fp16 operand
+// stays in [0, 1] whatever the scales.
+//
+// A head-dimension permutation is free where Q and K share it, so each
+// format's bytes are read in the order that drops them straight into the
+// fragment registers; the output is written back in the cache's (rotated)
+// channel order. key_dim_of / value_dim_of spell out those permutations.
+#pragma once
+
+#include "types.cuh"
+
+namespace kvc_attn {
+
+using kvc::u16;
+using kvc::u32;
+using kvc::u8;
+using kvc::pack_bf162;
+using kvc::pack_half2;
+using kvc::unpack_bf162;
+using kvc::unpack_half2;
+
+enum { KV_INT4 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_F16 = 3, KV_BF16 = 4 };
+
+// --- compile-time shape ----------------------------------------------------
+
+template <int KV, int HEAD_PAD, int HEADS, int M_TILES, int TILE, int STAGES, int CHUNK>
+struct Traits {
+  static_assert(HEAD_PAD % 32 == 0 && HEAD_PAD >= 32 && HEAD_PAD <= 256, "head size class");
+  static_assert(TILE % 16 == 0, "tiles are whole 16-token mma steps");
+  static_assert(CHUNK == 1 || CHUNK == 4 || CHUNK == 8 || CHUNK == 16, "copy granule");
+  static constexpr int kThreads = 32 * HEADS;
+  static constexpr bool kBf16 = KV == KV_BF16;
+  // Bytes of one stored head row at the padded head size.
+  static constexpr int kDimBits = KV == KV_INT4 ? 4 : (KV == KV_INT8 || KV == KV_FP8) ? 8 : 16;
+  static constexpr int kRowBytes = HEAD_PAD * kDimBits / 8;
+  static constexpr int kKChunks = HEAD_PAD / 16;   // k steps of the score product
+  static constexpr int kDimTiles = HEAD_PAD / 16;  // M tiles of the output product
+  // Token strides in shared memory, in bytes. Keys: 8 lanes (one per token)
+  // read 16 consecutive bytes each per load, so a stride that is an odd
+  // multiple of 16 modulo 128 puts the 8 tokens in distinct banks. Values: 4
+  // tokens (2t) read 16 bytes each: an odd multiple of 16 keeps 2*stride an
+  // odd multiple of 32, distinct again.
+  static constexpr int kHeadsBytes = HEADS * kRowBytes;
+  static constexpr int kTokenStride = kHeadsBytes + (kHeadsBytes % 32 == 16 ? 0 : 16);
+  static constexpr int kKeyBytes = TILE * kTokenStride;
+  static constexpr int kScaleBytes = TILE * HEADS * 4;
+  static constexpr int kStageBytes = 2 * kKeyBytes + 2 * kScaleBytes;
+  static constexpr int kSharedBytes = STAGES * kStageBytes;
+  static_assert(kTokenStride % 32 == 16, "token stride: an odd multiple of 16 bytes");
+};
+
+struct Params {
+  const float* query;        // [T, Hq, d] rotated, scaled; cache channel order
+  const u8* key_cache;       // element strides below are in bytes for the data
+  const u8* value_cache;
+  const u8* k_scales;        // float32 words
+  const u8* v_scales;
+  long long k_block_stride, k_slot_stride, k_head_stride;       // bytes
+  long long v_block_stride, v_slot_stride, v_head_stride;
+  long long ks_block_stride, ks_slot_stride, ks_head_stride;    // bytes
+  long long vs_block_stride, vs_slot_stride, vs_head_stride;
+  const int* block_table;    // [S, table_width]
+  const int* seq_lens;       // [S]
+  const int* cu_seqlens_q;   // [S + 1]
+  const int* tiles;          // [num_tiles, 2]: (sequence, row tile)
+  float* part_out;           // [splits, T, Hq, d]: unnormalised outputs
+  float* part_stats;         // [splits, T, Hq, 2]: (running max, sum of exp)
+  int num_tokens;            // T
+  int num_heads;             // Hq
+  int group;                 // Hq / Hk
+  int head_size;             // d
+  int row_bytes;             // stored bytes of one head row at d
+  int block_size;
+  int num_blocks;
+  int table_width;
+  int split_tokens;          // keys per split (a multiple of TILE)
+  int window;                // sliding window, 0: none
+  float softcap;             // 0: none
+  float code_unit;           // fp8: 2^8, since codes enter as e4m3 * 2^-8; else 1
+};
+
+// --- small helpers ---------------------------------------------------------
+
+__device__ __forceinline__ u32 lop_and_or(u32 x, u32 mask, u32 bits) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));  // (x & m) | b
+  return r;
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+  return r;
+}
+
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) { return kvc::sub_half2(a, b); }
+
+template <bool BF16>
+__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  if constexpr (BF16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                 "{%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                 "{%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void cp_async(void* shared, const void* global, int bytes_valid, int size) {
+  u32 address = static_cast<u32>(__cvta_generic_to_shared(shared));
+  if (size == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(bytes_valid));
+  } else if (size == 8) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(address), "l"(global), "r"(bytes_valid));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(address), "l"(global), "r"(bytes_valid));
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ float max_over_quad(float x) {   // the 4 lanes of one groupID
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float sum_over_quad(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// --- channel permutations ---------------------------------------------------
+// Key: lane (g, t) reads word w of a row at word index 4w + t (4 lanes of one
+// token read 16 consecutive bytes). Each word becomes fp16 pairs that are the
+// B fragment's {b0, b1} (logical dims 16 kc + 2t + {0, 1}) and {b2, b3}
+// (16 kc + 8 + 2t + {0, 1}). key_dim_of maps a logical dim to the cache's
+// channel (the stored value's index in the row).
+
+template <int KV>
+struct KeyWords {
+  // Words a lane reads per token row, for kc_steps k steps.
+  static __device__ __forceinline__ constexpr int count(int kc_steps) {
+    return KV == KV_INT4 ? kc_steps / 2 : KV == KV_INT8 || KV == KV_FP8 ? kc_steps : 2 * kc_steps;
+  }
+};
+
+template <int KV>
+__device__ __forceinline__ int key_dim_of(int logical) {
+  int kc = logical >> 4, pos = logical & 15;
+  int high8 = pos >> 3, t = (pos & 7) >> 1, half = pos & 1;
+  if (KV == KV_INT4) {
+    // word w = kc / 2 holds nibbles n0..n7; pair k = (n_k, n_{k+4}), k = 2 (kc % 2) + high8.
+    int w = kc >> 1, k = 2 * (kc & 1) + high8, n = k + 4 * half;
+    return 8 * (4 * w + t) + n;
+  } else if (KV == KV_INT8 || KV == KV_FP8) {
+    int w = kc, byte = 2 * high8 + half;
+    return 4 * (4 * w + t) + byte;
+  } else {
+    int w = 2 * kc + high8;
+    return 2 * (4 * w + t) + half;
+  }
+}
+
+// Value: lane (g, t) reads 16-bit unit u of a token row at unit index 8u + g
+// (8 lanes of one token read 16 consecutive bytes), for the tokens of the A
+// fragment's columns (2t, 2t+1, 2t+8, 2t+9). value_dim_of maps a logical dim
+// (16 md + g + 8 r) to the cache's channel.
+template <int KV>
+__device__ __forceinline__ int value_dim_of(int logical) {
+  int md = logical >> 4, pos = logical & 15, g = pos & 7, r = pos >> 3;
+  if (KV == KV_INT4) {
+    // unit u holds bytes 2u, 2u+1 = dims md = 2u, 2u+1; low nibble row g, high row g+8.
+    int u = md >> 1, k = md & 1;
+    return 2 * (2 * (8 * u + g) + k) + r;
+  } else if (KV == KV_INT8 || KV == KV_FP8) {
+    int u = md;
+    return 2 * (8 * u + g) + r;
+  } else {
+    int u = 2 * md + r;
+    return 8 * u + g;
+  }
+}
+
+// --- conversions of stored codes to mma operands ------------------------------
+
+// Four fp16 pairs {(n_k, n_{k+4})} of a word of eight int4 codes, each minus
+// the zero-point: 1024 + c is exact in fp16 (0x6400 | c), and so is
+// (1024 + c) - (1024 + zp).
+__device__ __forceinline__ void int4_pairs(u32 word, u32 zero_pair, u32 (&out)[4]) {
+  out[0] = hsub2(lop_and_or(word, 0x000F000Fu, 0x64006400u), zero_pair);
+  out[1] = hsub2(lop_and_or(word >> 4, 0x000F000Fu, 0x64006400u), zero_pair);
+  out[2] = hsub2(lop_and_or(word >> 8, 0x000F000Fu, 0x64006400u), zero_pair);
+  out[3] = hsub2(lop_and_or(word >> 12, 0x000F000Fu, 0x64006400u), zero_pair);
+}
+
+// int8 bytes at selector positions -> fp16 pair: byte + 128 sits in the low
+// byte of 0x64xx (1024 + 128 + code), minus 1152 is the code, exactly.
+__device__ __forceinline__ u32 int8_pair(u32 bytes_in_low_of_halves) {
+  u32 biased = (bytes_in_low_of_halves ^ 0x00800080u) | 0x64006400u;
+  return hsub2(biased, 0x64806480u);   // 1152 = 0x6480 in fp16
+}
+
+// e4m3 bytes in the high byte of each half -> fp16 bits of value * 2^-8 (exact:
+// sign stays, exponent and mantissa shift right by one; subnormals map to
+// subnormals). NaN (0x7F) maps to a finite value: the format never stores it.
+__device__ __forceinline__ u32 fp8_pair(u32 bytes_in_high_of_halves) {
+  return (bytes_in_high_of_halves & 0x80008000u) | ((bytes_in_high_of_halves >> 1) & 0x3F803F80u);
+}
+
+}  // namespace kvc_attn
+
+namespace kvc_attn {
+
+// --- the block ---------------------------------------------------------------
+
+template <int KV, int HEAD_PAD, int HEADS, int M_TILES, int TILE, int STAGES, int CHUNK>
+struct Attention {
+  typedef Traits<KV, HEAD_PAD, HEADS, M_TILES, TILE, STAGES, CHUNK> T;
+  static constexpr int KC = T::kKChunks;
+  static constexpr int MD = T::kDimTiles;
+  static constexpr bool kQuantized = KV == KV_INT4 || KV == KV_INT8 || KV == KV_FP8;
+  static constexpr bool kBf16 = T::kBf16;
+  static constexpr float kLog2e = 1.4426950408889634f;
+
+  // Stage `stage` <- keys/values/scales of tokens base .. base + TILE - 1 that lie in
+  // [lo, hi); the others, and every id outside the cache, are zero-filled.
+  static __device__ __forceinline__ void stage_tile(const Params& p, u8* smem, int stage, int seq, int head0,
+                                                    int base, int lo, int hi, int block_shift) {
+    u8* keys = smem + stage * T::kStageBytes;
+    u8* values = keys + T::kKeyBytes;
+    u8* key_scales = values + T::kKeyBytes;
+    u8* value_scales = key_scales + T::kScaleBytes;
+    const int* table = p.block_table + static_cast<long long>(seq) * p.table_width;
+    constexpr int kPieces = T::kRowBytes / (CHUNK == 1 ? 4 : CHUNK);
+    constexpr int kWork = TILE * HEADS * kPieces;
+    for (int c = threadIdx.x; c < kWork; c += T::kThreads) {
+      const int token = c / (HEADS * kPieces);
+      const int rest = c - token * (HEADS * kPieces);
+      const int head = rest / kPieces;
+      const int piece = rest - head * kPieces;
+      const int position = base + token;
+      int block = -1;
+      if (position >= lo && position < hi) block = table[position >> block_shift];
+      const bool valid_token = block >= 0 && block < p.num_blocks;
+      const long long slot = position & (p.block_size - 1);
+      const int offset = piece * (CHUNK == 1 ? 4 : CHUNK);
+      u8* key_dst = keys + token * T::kTokenStride + head * T::kRowBytes + offset;
+      u8* value_dst = values + token * T::kTokenStride + head * T::kRowBytes + offset;
+      const u8* key_src = p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride +
+                          (head0 + head) * p.k_head_stride + offset;
+      const u8* value_src = p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride +
+                            (head0 + head) * p.v_head_stride + offset;
+      if constexpr (CHUNK == 1) {
+        // Rows whose length is no multiple of 4 bytes: plain byte loads.
+        for (int b = 0; b < 4; ++b) {
+          const bool ok = valid_token && offset + b < p.row_bytes;
+          key_dst[b] = ok ? key_src[b] : u8(0);
+          value_dst[b] = ok ? value_src[b] : u8(0);
+        }
+      } else {
+        const int bytes = valid_token && offset < p.row_bytes ? CHUNK : 0;
+        cp_async(key_dst, bytes ? key_src : p.key_cache, bytes, CHUNK);
+        cp_async(value_dst, bytes ? value_src : p.value_cache, bytes, CHUNK);
+      }
+    }
+    if constexpr (kQuantized) {
+      for (int c = threadIdx.x; c < TILE * HEADS; c += T::kThreads) {
+        const int token = c / HEADS, head = c - token * HEADS;
+        const int position = base + token;
+        int block = -1;
+        if (position >= lo && position < hi) block = table[position >> block_shift];
+        const bool valid_token = block >= 0 && block < p.num_blocks;
+        const long long slot = position & (p.block_size - 1);
+        const u8* key_src = p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride +
+                            (head0 + head) * p.ks_head_stride;
+        const u8* value_src = p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride +
+                              (head0 + head) * p.vs_head_stride;
+        cp_async(key_scales + 4 * c, valid_token ? key_src : p.k_scales, valid_token ? 4 : 0, 4);
+        cp_async(value_scales + 4 * c, valid_token ? value_src : p.v_scales, valid_token ? 4 : 0, 4);
+      }
+    }
+  }
+
+  // int4: the scale word's low 4 bits are the zero-point, the rest the scale.
+  static __device__ __forceinline__ float scale_of(u32 bits) {
+    return KV == KV_INT4 ? __uint_as_float(bits & ~0xFu) : __uint_as_float(bits);
+  }
+
+  static __device__ __forceinline__ u32 zero_pair(u32 bits_a, u32 bits_b) {
+    return (0x6400u | (bits_a & 0xFu)) | ((0x6400u | (bits_b & 0xFu)) << 16);
+  }
+
+  // The B fragment {b0b1, b2b3} of k step kc from one token's key row.
+  static __device__ __forceinline__ void key_fragment(const u32* row, int t, int kc, u32 zero, u32& b0, u32& b1) {
+    if constexpr (KV == KV_INT4) {
+      const u32 word = row[4 * (kc >> 1) + t];
+      const int shift = (kc & 1) ? 8 : 0;
+      b0 = hsub2(lop_and_or(word >> shift, 0x000F000Fu, 0x64006400u), zero);
+      b1 = hsub2(lop_and_or(word >> (shift + 4), 0x000F000Fu, 0x64006400u), zero);
+    } else if constexpr (KV == KV_INT8) {
+      const u32 word = row[4 * kc + t];
+      b0 = int8_pair(prmt(word, 0u, 0x4140u));
+      b1 = int8_pair(prmt(word, 0u, 0x4342u));
+    } else if constexpr (KV == KV_FP8) {
+      const u32 word = row[4 * kc + t];
+      b0 = fp8_pair(prmt(word, 0u, 0x1404u));
+      b1 = fp8_pair(prmt(word, 0u, 0x3424u));
+    } else {
+      b0 = row[4 * (2 * kc) + t];
+      b1 = row[4 * (2 * kc + 1) + t];
+    }
+  }
+
+  // The A fragment of output M tile md from the rows of tokens 2t, 2t+1, 2t+8, 2t+9.
+  static __device__ __forceinline__ void value_fragment(const u16* r0, const u16* r1, const u16* r2, const u16* r3,
+                                                       int g, int md, u32 zero01, u32 zero23, u32 (&a)[4]) {
+    if constexpr (KV == KV_INT4) {
+      const int u = md >> 1, shift = (md & 1) ? 8 : 0;
+      const u32 c01 = u32(r0[8 * u + g]) | (u32(r1[8 * u + g]) << 16);
+      const u32 c23 = u32(r2[8 * u + g]) | (u32(r3[8 * u + g]) << 16);
+      a[0] = hsub2(lop_and_or(c01 >> shift, 0x000F000Fu, 0x64006400u), zero01);
+      a[1] = hsub2(lop_and_or(c01 >> (shift + 4), 0x000F000Fu, 0x64006400u), zero01);
+      a[2] = hsub2(lop_and_or(c23 >> shift, 0x000F000Fu, 0x64006400u), zero23);
+      a[3] = hsub2(lop_and_or(c23 >> (shift + 4), 0x000F000Fu, 0x64006400u), zero23);
+    } else if constexpr (KV == KV_INT8 || KV == KV_FP8) {
+      const u32 c01 = u32(r0[8 * md + g]) | (u32(r1[8 * md + g]) << 16);
+      const u32 c23 = u32(r2[8 * md + g]) | (u32(r3[8 * md + g]) << 16);
+      if constexpr (KV == KV_INT8) {
+        a[0] = int8_pair(prmt(c01, 0u, 0x4240u));
+        a[1] = int8_pair(prmt(c01, 0u, 0x4341u));
+        a[2] = int8_pair(prmt(c23, 0u, 0x4240u));
+        a[3] = int8_pair(prmt(c23, 0u, 0x4341u));
+      } else {
+        a[0] = fp8_pair(prmt(c01, 0u, 0x2404u));
+        a[1] = fp8_pair(prmt(c01, 0u, 0x3414u));
+        a[2] = fp8_pair(prmt(c23, 0u, 0x2404u));
+        a[3] = fp8_pair(prmt(c23, 0u, 0x3414u));
+      }
+    } else {
+      const int u = 2 * md;
+      a[0] = u32(r0[8 * u + g]) | (u32(r1[8 * u + g]) << 16);
+      a[1] = u32(r0[8 * (u + 1) + g]) | (u32(r1[8 * (u + 1) + g]) << 16);
+      a[2] = u32(r2[8 * u + g]) | (u32(r3[8 * u + g]) << 16);
+      a[3] = u32(r2[8 * (u + 1) + g]) | (u32(r3[8 * (u + 1) + g]) << 16);
+    }
+  }
+
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    return kBf16 ? pack_bf162(lo, hi) : pack_half2(lo, hi);
+  }
+
+  static __device__ __forceinline__ float2 unpack(u32 x) {
+    return kBf16 ? unpack_bf162(x) : unpack_half2(x);
+  }
+
+  static __device__ void run(const Params& p, int block_shift) {
+    extern __shared__ __align__(16) u8 smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int seq = p.tiles[2 * blockIdx.y], row_tile = p.tiles[2 * blockIdx.y + 1];
+    const int head0 = blockIdx.z * HEADS;
+    const int kv_head = head0 + warp;
+    const int split = blockIdx.x;
+
+    // The tile's rows: (query token, query head of the group), flattened.
+    const int q_begin = p.cu_seqlens_q[seq];
+    const int q_len = p.cu_seqlens_q[seq + 1] - q_begin;
+    const int seq_len = min(p.seq_lens[seq], p.table_width * p.block_size);
+    constexpr int ROWS = 8 * M_TILES;
+    const int row_begin = row_tile * ROWS;
+    const int total_rows = q_len * p.group;
+    // Ids from a device, unchecked: a tile that means nothing writes nothing.
+    if (q_len <= 0 || seq_len < q_len || row_begin >= total_rows || q_begin < 0 ||
+        q_begin + q_len > p.num_tokens) return;
+    const int context = seq_len - q_len;   // position of the first query token
+    const int last_row = min(row_begin + ROWS, total_rows) - 1;
+    const int first_position = context + row_begin / p.group;
+    const int last_position = context + last_row / p.group;
+    const int key_lo = max(p.window ? first_position - p.window + 1 : 0, split * p.split_tokens);
+    const int key_hi = min(last_position + 1, (split + 1) * p.split_tokens);
+
+    // Query fragments: rows 0-7 of each M tile the high fp16 part, rows 8-15 the low.
+    u32 qa[M_TILES][KC][4];
+    float row_unscale[M_TILES];
+    int row_position[M_TILES];
+    bool row_valid[M_TILES];
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      const int row = row_begin + mt * 8 + g;
+      row_valid[mt] = row < total_rows;
+      const int token = row / p.group;
+      row_position[mt] = context + token;
+      const float* q = p.query + (static_cast<long long>(q_begin + token) * p.num_heads +
+                                  kv_head * p.group + row % p.group) * p.head_size;
+      float values[KC][4];
+      float largest = 0.f;
+      for (int kc = 0; kc < KC; ++kc) {
+        for (int i = 0; i < 4; ++i) {
+          const int logical = 16 * kc + 2 * t + (i & 1) + 8 * (i >> 1);
+          const int channel = key_dim_of<KV>(logical);
+          values[kc][i] = row_valid[mt] && channel < p.head_size ? q[channel] : 0.f;
+          largest = fmaxf(largest, fabsf(values[kc][i]));
+        }
+      }
+      largest = max_over_quad(largest);
+      // A power of two keeps the largest |q| near 2^14: inside fp16's range, and exact.
+      int exponent = 0;
+      frexpf(largest, &exponent);
+      const float up = largest > 0.f && isfinite(largest) ? ldexpf(1.f, 14 - exponent) : 1.f;
+      row_unscale[mt] = 1.f / up;
+      for (int kc = 0; kc < KC; ++kc) {
+        float hi[4], lo[4];
+        for (int i = 0; i < 4; ++i) {
+          const float v = values[kc][i] * up;
+          const float2 rounded = unpack(pack(v, 0.f));
+          hi[i] = rounded.x;
+          lo[i] = v - rounded.x;
+        }
+        qa[mt][kc][0] = pack(hi[0], hi[1]);
+        qa[mt][kc][1] = pack(lo[0], lo[1]);
+        qa[mt][kc][2] = pack(hi[2], hi[3]);
+        qa[mt][kc][3] = pack(lo[2], lo[3]);
+      }
+    }
+
+    float out[MD][M_TILES][4];
+    for (int md = 0; md < MD; ++md)
+      for (int mt = 0; mt < M_TILES; ++mt)
+        for (int i = 0; i < 4; ++i) out[md][mt][i] = 0.f;
+    float running_max[M_TILES], running_sum[M_TILES];
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      running_max[mt] = -KVC_INFINITY;
+      running_sum[mt] = 0.f;
+    }
+    float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
+
+    const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < num_tiles) stage_tile(p, smem, s, seq, head0, key_lo + s * TILE, key_lo, key_hi, block_shift);
+      cp_async_commit();
+    }
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      {
+        const int next = tile + STAGES - 1;
+        if (next < num_tiles)
+          stage_tile(p, smem, next % STAGES, seq, head0, key_lo + next * TILE, key_lo, key_hi, block_shift);
+        cp_async_commit();
+      }
+      const int base = key_lo + tile * TILE;
+      const u8* keys = smem + (tile % STAGES) * T::kStageBytes + warp * T::kRowBytes;
+      const u8* values = keys + T::kKeyBytes;
+      const u32* key_scales = reinterpret_cast<const u32*>(smem + (tile % STAGES) * T::kStageBytes +
+                                                           2 * T::kKeyBytes) + warp;
+      const u32* value_scales = key_scales + TILE * HEADS;
+#pragma unroll
+      for (int sub = 0; sub < TILE / 16; ++sub) {
+        const int first = sub * 16;
+        // Scores of tokens first + nt*8 + 2t + {0, 1}, rows g (high + low parts).
+        float score[M_TILES][2][4];
+        for (int mt = 0; mt < M_TILES; ++mt)
+          for (int nt = 0; nt < 2; ++nt)
+            for (int i = 0; i < 4; ++i) score[mt][nt][i] = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int token = first + nt * 8 + g;
+          const u32* row = reinterpret_cast<const u32*>(keys + token * T::kTokenStride);
+          u32 zero = 0x64006400u;
+          if constexpr (KV == KV_INT4) {
+            const u32 bits = key_scales[token * HEADS];
+            zero = zero_pair(bits, bits);
+          }
+#pragma unroll
+          for (int kc = 0; kc < KC; ++kc) {
+            u32 b0, b1;
+            key_fragment(row, t, kc, zero, b0, b1);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) mma<kBf16>(score[mt][nt], qa[mt][kc], b0, b1);
+          }
+        }
+        // Column tokens of this thread: first + {2t, 2t+1, 8+2t, 9+2t}.
+        int column[4];
+        float key_scale[4], value_scale[4];
+        u32 value_bits[4];
+        for (int i = 0; i < 4; ++i) {
+          column[i] = first + (i >> 1) * 8 + 2 * t + (i & 1);
+          key_scale[i] = kQuantized ? scale_of(key_scales[column[i] * HEADS]) * p.code_unit : 1.f;
+          value_bits[i] = kQuantized ? value_scales[column[i] * HEADS] : 0u;
+          value_scale[i] = kQuantized ? scale_of(value_bits[i]) * p.code_unit : 1.f;
+        }
+        float tile_reference = reference;
+        if constexpr (kQuantized) {
+          float largest = fmaxf(fmaxf(value_scale[0], value_scale[1]), fmaxf(value_scale[2], value_scale[3]));
+          tile_reference = fmaxf(reference, max_over_quad(largest));
+        }
+        const float rescale_values = tile_reference > 0.f ? reference / tile_reference : 0.f;
+        reference = tile_reference;
+
+        u32 pb[M_TILES][2][2];   // P^T fragments (and their low parts for bf16 caches)
+        float alpha[M_TILES];
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          float s[4];
+          for (int i = 0; i < 4; ++i) {
+            const int nt = i >> 1, c = i & 1;
+            float v = (score[mt][nt][c] + score[mt][nt][c + 2]) * row_unscale[mt] * key_scale[i];
+            if (p.softcap > 0.f) v = p.softcap * tanhf(v / p.softcap);
+            const int position = base + column[i];
+            const bool visible = row_valid[mt] && position < key_hi && position <= row_position[mt] &&
+                                 (p.window == 0 || position > row_position[mt] - p.window);
+            s[i] = visible ? v : -KVC_INFINITY;
+          }
+          const float tile_max = max_over_quad(fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3])));
+          const float new_max = fmaxf(running_max[mt], tile_max);
+          const float shift = new_max == -KVC_INFINITY ? 0.f : new_max;
+          alpha[mt] = exp2f((running_max[mt] - shift) * kLog2e);
+          running_max[mt] = new_max;
+          float prob[4], weighted[4], sum = 0.f;
+          for (int i = 0; i < 4; ++i) {
+            prob[i] = exp2f((s[i] - shift) * kLog2e);
+            sum += prob[i];
+            // A token no row here sees adds nothing, even with a NaN scale.
+            weighted[i] = prob[i] == 0.f ? 0.f
+                          : prob[i] * (tile_reference > 0.f ? value_scale[i] / tile_reference : value_scale[i]);
+          }
+          running_sum[mt] = running_sum[mt] * alpha[mt] + sum;
+          pb[mt][0][0] = pack(weighted[0], weighted[1]);
+          pb[mt][0][1] = pack(weighted[2], weighted[3]);
+          if constexpr (kBf16) {
+            const float2 h01 = unpack(pb[mt][0][0]), h23 = unpack(pb[mt][0][1]);
+            pb[mt][1][0] = pack(weighted[0] - h01.x, weighted[1] - h01.y);
+            pb[mt][1][1] = pack(weighted[2] - h23.x, weighted[3] - h23.y);
+          }
+        }
+        // Rescale the accumulators: their columns are rows 2t, 2t+1, whose factors
+        // live in the lanes with groupID 2t and 2t+1.
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          const float f0 = __shfl_sync(0xffffffffu, alpha[mt], (2 * t) * 4) * rescale_values;
+          const float f1 = __shfl_sync(0xffffffffu, alpha[mt], (2 * t + 1) * 4) * rescale_values;
+          for (int md = 0; md < MD; ++md) {
+            out[md][mt][0] *= f0;
+            out[md][mt][1] *= f1;
+            out[md][mt][2] *= f0;
+            out[md][mt][3] *= f1;
+          }
+        }
+        const u16* r0 = reinterpret_cast<const u16*>(values + (first + 2 * t) * T::kTokenStride);
+        const u16* r1 = reinterpret_cast<const u16*>(values + (first + 2 * t + 1) * T::kTokenStride);
+        const u16* r2 = reinterpret_cast<const u16*>(values + (first + 2 * t + 8) * T::kTokenStride);
+        const u16* r3 = reinterpret_cast<const u16*>(values + (first + 2 * t + 9) * T::kTokenStride);
+        const u32 zero01 = KV == KV_INT4 ? zero_pair(value_bits[0], value_bits[1]) : 0x64006400u;
+        const u32 zero23 = KV == KV_INT4 ? zero_pair(value_bits[2], value_bits[3]) : 0x64006400u;
+#pragma unroll
+        for (int md = 0; md < MD; ++md) {
+          u32 a[4];
+          value_fragment(r0, r1, r2, r3, g, md, zero01, zero23, a);
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt) {
+            mma<kBf16>(out[md][mt], a, pb[mt][0][0], pb[mt][0][1]);
+            if constexpr (kBf16) mma<kBf16>(out[md][mt], a, pb[mt][1][0], pb[mt][1][1]);
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+
+    // Partial state of this split: max and sum per row (lanes t == 0), and the
+    // accumulators times R in the cache's channel order.
+    const long long split_rows = static_cast<long long>(split) * p.num_tokens;
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      const float sum = sum_over_quad(running_sum[mt]);
+      const int row = row_begin + mt * 8 + g;
+      if (t == 0 && row_valid[mt]) {
+        const long long index = (split_rows + q_begin + row / p.group) * p.num_heads + kv_head * p.group + row % p.group;
+        p.part_stats[2 * index] = running_max[mt];
+        p.part_stats[2 * index + 1] = sum;
+      }
+      for (int c = 0; c < 2; ++c) {
+        const int out_row = row_begin + mt * 8 + 2 * t + c;
+        if (out_row >= total_rows) continue;
+        const long long index = (split_rows + q_begin + out_row / p.group) * p.num_heads +
+                                kv_head * p.group + out_row % p.group;
+        float* destination = p.part_out + index * p.head_size;
+        for (int md = 0; md < MD; ++md) {
+          for (int r = 0; r < 2; ++r) {
+            const int channel = value_dim_of<KV>(16 * md + g + 8 * r);
+            if (channel < p.head_size) destination[channel] = out[md][mt][c + 2 * r] * reference;
+          }
+        }
+      }
+    }
+  }
+};
+
+// Combine the splits' partial states of every (query token, head) row:
+// out = sum_s o_s e^{m_s - M} / (sum_s l_s e^{m_s - M} + e^{sink - M}).
+template <typename OUT>
+__device__ void merge_splits(const float* part_out, const float* part_stats, const float* sinks, OUT* out,
+                             int num_splits, int num_tokens, int num_heads, int head_size) {
+  const int row = blockIdx.x;
+  const int head = row % num_heads;
+  const long long rows = static_cast<long long>(num_tokens) * num_heads;
+  float peak = -KVC_INFINITY;
+  for (int s = 0; s < num_splits; ++s) peak = fmaxf(peak, part_stats[2 * (s * rows + row)]);
+  const bool has_sink = sinks != nullptr;
+  if (has_sink) peak = fmaxf(peak, sinks[head]);
+  const float shift = peak == -KVC_INFINITY ? 0.f : peak;
+  float total = has_sink ? expf(sinks[head] - shift) : 0.f;
+  for (int s = 0; s < num_splits; ++s) {
+    const float m = part_stats[2 * (s * rows + row)];
+    total += part_stats[2 * (s * rows + row) + 1] * expf(m - shift);
+  }
+  for (int c = threadIdx.x; c < head_size; c += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < num_splits; ++s) {
+      const float m = part_stats[2 * (s * rows + row)];
+      const float weight = expf(m - shift);
+      if (weight != 0.f || isnan(m)) acc += part_out[(s * rows + row) * head_size + c] * weight;
+    }
+    const float value = acc / total;
+    out[row * static_cast<long long>(head_size) + c] = kvc::from_float<OUT>(value);
+  }
+}
+
+}  // namespace kvc_attn

@@ -1,0 +1,278 @@
+"""CUDA paged attention: plan a batch once, then launch kernels_cu/attention.cu.
+
+A call is four launches on the caller's stream, none of which waits for the
+host: the query is rotated (or scaled) to float32 in the cache's channel
+order, the attention kernel writes each split's partial softmax state, the
+merge kernel combines the splits (and the sinks), and the inverse rotation
+writes `out` (for caches without rotation the merge writes `out` itself).
+
+The plan (made once per BatchPlan and reused by every layer) fixes what the
+kernel is specialised on and how the work is cut: warps per block (one per
+KV head, up to 8, so that a block reads whole cache rows), query rows per
+warp, tokens per pipeline stage, and the split of each sequence's keys
+across blocks (split-KV), chosen from the batch's shape and the GPU's
+multiprocessor count. It also holds the device copies of the work list and
+the workspace, so a layer's call allocates nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import formats, jit
+from ..rotation import query_divisor
+
+# attention.cuh's KV_* codes.
+KV_INT4, KV_INT8, KV_FP8, KV_F16, KV_BF16 = range(5)
+HEAD_CLASS = 32          # head sizes are padded up to a multiple of this (masked)
+STAGES = 3               # cp.async pipeline depth
+STAGE_BYTES_TARGET = 40 * 1024   # keep a stage (K + V + scales) near this: 2 blocks a multiprocessor
+SHARED_BYTES_PER_SM = 227 * 1024
+MAX_SPLITS = 256
+MIN_TILES_PER_SPLIT = 4  # a split below this many tiles costs more in merging than it gains
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One specialisation of the attention kernel (its -D defines) and its shared memory."""
+
+    kv: int
+    head_pad: int
+    heads: int          # warps per block = KV heads per block
+    m_tiles: int        # 8 query rows each
+    tile: int           # tokens per pipeline stage
+    chunk: int          # bytes per cp.async (1: plain byte loads)
+
+    @property
+    def defines(self) -> dict:
+        return {"KVC_ATTN_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_HEADS": self.heads,
+                "KVC_M_TILES": self.m_tiles, "KVC_TILE": self.tile, "KVC_STAGES": STAGES,
+                "KVC_CHUNK": self.chunk}
+
+    @property
+    def row_bytes(self) -> int:
+        bits = 4 if self.kv == KV_INT4 else 8 if self.kv in (KV_INT8, KV_FP8) else 16
+        return self.head_pad * bits // 8
+
+    @property
+    def shared_bytes(self) -> int:
+        """attention.cuh's Traits::kSharedBytes (the same arithmetic)."""
+        heads_bytes = self.heads * self.row_bytes
+        token_stride = heads_bytes + (0 if heads_bytes % 32 == 16 else 16)
+        stage = 2 * self.tile * token_stride + 2 * self.tile * self.heads * 4
+        return STAGES * stage
+
+
+def kv_code(cache) -> int:
+    if cache.kv_dtype == "int4_per_token_head":
+        return KV_INT4
+    if cache.kv_dtype == "int8_per_token_head":
+        return KV_INT8
+    if cache.kv_dtype == "fp8_per_token_head":
+        return KV_FP8
+    storage = np.dtype(cache.storage_dtype)
+    if storage == np.float16:
+        return KV_F16
+    if storage == formats.MODEL_DTYPES["bfloat16"]:
+        return KV_BF16
+    raise ValueError(f"the CUDA backend attends over auto caches of float16 or bfloat16; this cache "
+                     f"stores {storage}")
+
+
+def _copy_granule(cache, row_bytes: int) -> int:
+    """Largest cp.async size dividing the row, every byte stride and the base addresses."""
+    data = (cache.key_cache, cache.value_cache)
+    values = [row_bytes] + [s for a in data for s in a.strides[:3]] + [a.data.ptr for a in data]
+    for chunk in (16, 8, 4):
+        if all(v % chunk == 0 for v in values):
+            return chunk
+    return 1
+
+
+def _choose_kernel(cache, kv: int, rows_per_sequence: int) -> Kernel:
+    head_pad = -(-cache.head_size // HEAD_CLASS) * HEAD_CLASS
+    m_tiles = 1 if rows_per_sequence <= 8 else 2
+    stored_row = cache.head_size * (4 if kv == KV_INT4 else 8 if kv in (KV_INT8, KV_FP8) else 16) // 8
+    num_kv_heads = cache.num_kv_heads
+    best = None
+    for heads in (8, 4, 2, 1):
+        if num_kv_heads % heads:
+            continue
+        for tile in (32, 16):
+            kernel = Kernel(kv, head_pad, heads, m_tiles, tile, _copy_granule(cache, stored_row))
+            if kernel.shared_bytes <= STAGES * STAGE_BYTES_TARGET:
+                return kernel
+            best = kernel
+    return best
+
+
+def choose_splits(base_blocks: int, slots: int, most: int) -> int:
+    """Splits per (sequence, row tile, head group): the count that minimises the
+    waves of blocks times each block's share of the keys, ceil(base * s / slots) / s,
+    the smallest such s on a tie. Whole waves matter: 17 splits of 32 sequences
+    on 264 block slots are 2.06 waves, i.e. three rounds for 2.06 rounds of work."""
+    best, best_cost = 1, float("inf")
+    for splits in range(1, max(1, min(most, MAX_SPLITS)) + 1):
+        cost = math.ceil(base_blocks * splits / slots) / splits
+        if cost < best_cost * 0.95:   # more splits only for a clear gain: each adds merge traffic
+            best, best_cost = splits, cost
+    return best
+
+
+@dataclass(eq=False)
+class Plan:
+    kernel: Kernel
+    tiles: object             # device int32 [num_tiles, 2]: (sequence, row tile)
+    num_tiles: int
+    num_splits: int
+    split_tokens: int
+    head_groups: int
+    workspace: dict = field(default_factory=dict)
+    strides: dict = field(default_factory=dict)
+    functions: dict = field(default_factory=dict)
+
+    def function(self, name: str, defines: dict):
+        """A compiled kernel of attention.cu, looked up once per plan (the per-layer
+        call then does no compile-cache work)."""
+        key = (name, tuple(sorted(defines.items())))
+        if key not in self.functions:
+            function = jit.get_function("attention", name, defines)
+            if name == "paged_attention":
+                function.max_dynamic_shared_size_bytes = self.kernel.shared_bytes
+            self.functions[key] = function
+        return self.functions[key]
+
+
+def plan_attention(batch, cache, num_query_heads: int) -> Plan:
+    import cupy
+    device = cache.device
+    group = num_query_heads // cache.num_kv_heads
+    kv = kv_code(cache)
+    host = batch.host
+    if host is not None:
+        query_lens = np.diff(host["cu_seqlens_q"])
+        longest = int(host["seq_lens"].max(initial=1))
+    else:   # contents on the device: plan for the largest batch the shapes allow
+        query_lens = None
+        longest = batch.num_blocks * batch.block_size
+    max_rows = group * (int(query_lens.max(initial=1)) if query_lens is not None
+                        else batch.num_query_tokens_hint)
+    kernel = _choose_kernel(cache, kv, max_rows)
+    rows_per_tile = 8 * kernel.m_tiles
+    if query_lens is not None:
+        row_tiles = -(-query_lens * group // rows_per_tile)
+        seqs = np.repeat(np.arange(batch.num_seqs), row_tiles)
+        within = np.arange(len(seqs)) - np.repeat(np.cumsum(row_tiles) - row_tiles, row_tiles)
+    else:
+        per_seq = max(1, -(-batch.num_query_tokens_hint * group // rows_per_tile))
+        seqs = np.repeat(np.arange(batch.num_seqs), per_seq)
+        within = np.tile(np.arange(per_seq), batch.num_seqs)
+    tiles = np.stack([seqs, within], axis=1).astype(np.int32).reshape(-1, 2)
+    head_groups = cache.num_kv_heads // kernel.heads
+
+    with cupy.cuda.Device(device.index):
+        sms = cupy.cuda.Device(device.index).attributes["MultiProcessorCount"]
+    blocks_per_sm = max(1, min(SHARED_BYTES_PER_SM // max(kernel.shared_bytes, 1),
+                               2048 // (32 * kernel.heads)))
+    splits = choose_splits(len(tiles) * head_groups, sms * blocks_per_sm,
+                           most=max(1, -(-longest // (MIN_TILES_PER_SPLIT * kernel.tile))))
+    split_tokens = -(-longest // splits)
+    split_tokens = -(-split_tokens // kernel.tile) * kernel.tile
+    splits = -(-longest // split_tokens)
+    return Plan(kernel, _upload(tiles, device), len(tiles), splits, split_tokens, head_groups)
+
+
+def _upload(array: np.ndarray, device):
+    import cupy
+    with cupy.cuda.Device(device.index):
+        return cupy.asarray(array)
+
+
+def _rotate_rows(*args, **kwargs):
+    from . import cuda   # the backend module owns the rotation kernels
+    return cuda.rotate_rows(*args, **kwargs)
+
+
+def _workspace(plan: Plan, num_tokens: int, num_heads: int, head_size: int, device) -> dict:
+    """float32 buffers of one call's shape, made once per plan and shape."""
+    import cupy
+    key = (num_tokens, num_heads, head_size, device)
+    if key not in plan.workspace:
+        with cupy.cuda.Device(device.index):
+            rows = (num_tokens, num_heads, head_size)
+            plan.workspace[key] = {
+                "query": cupy.zeros(rows, cupy.float32),
+                "out": cupy.zeros(rows, cupy.float32),
+                "part_out": cupy.zeros((plan.num_splits,) + rows, cupy.float32),
+                "part_stats": cupy.zeros((plan.num_splits, num_tokens, num_heads, 2), cupy.float32),
+            }
+    return plan.workspace[key]
+
+
+def _strides(plan: Plan, cache):
+    """Byte strides (block, slot, head) of K, V and their scales, on the device, once per cache."""
+    key = id(cache.key_cache), id(cache.k_scale_cache)
+    if key not in plan.strides:
+        scales = (cache.k_scale_cache, cache.v_scale_cache) if cache.k_scale_cache is not None else (
+            cache.key_cache, cache.value_cache)
+        values = [s for a in (cache.key_cache, cache.value_cache) + scales for s in a.strides[:3]]
+        plan.strides[key] = (_upload(np.array(values, np.int64), cache.device), cache)
+    return plan.strides[key][0]
+
+
+def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sliding_window,
+                    softcap: float, sinks, out) -> None:
+    import cupy
+    device = cache.device
+    num_tokens, num_heads, head_size = query.shape
+    rotation = cache.rotation
+    rotated = rotation is not None and not rotation.is_identity
+    work = _workspace(plan, num_tokens, num_heads, head_size, device)
+    from . import cuda
+    arrays = batch.arrays(cuda, device)
+    kernel = plan.kernel
+    with cupy.cuda.Device(device.index):
+        # 1. The query in float32, rotated, scaled (softmax scale, rotation norm).
+        if rotated:
+            _rotate_rows(query.data.reshape(-1, head_size), work["query"].reshape(-1, head_size),
+                                rotation, inverse=False, divisor=query_divisor(rotation, softmax_scale),
+                                x_dtype=query.dtype, out_dtype=np.dtype(np.float32))
+        else:
+            scale = plan.function("scale_query", {"KVC_IN_T": formats.CPP_TYPES[query.dtype]})
+            n = query.data.size
+            scale((min(1024, -(-n // 256)),), (256,), (query.data, work["query"], np.int64(n),
+                                                      np.float32(softmax_scale)))
+        # 2. Partial softmax states of every split.
+        attention = plan.function("paged_attention", kernel.defines)
+        has_scales = cache.k_scale_cache is not None
+        code_unit = 256.0 if kernel.kv == KV_FP8 else 1.0
+        table = arrays["block_table"]
+        attention(
+            (plan.num_splits, plan.num_tiles, plan.head_groups), (32 * kernel.heads,),
+            (work["query"], cache.key_cache, cache.value_cache,
+             cache.k_scale_cache if has_scales else cache.key_cache,
+             cache.v_scale_cache if has_scales else cache.value_cache,
+             _strides(plan, cache), table, arrays["seq_lens"], arrays["cu_seqlens_q"], plan.tiles,
+             work["part_out"], work["part_stats"], np.int32(num_tokens), np.int32(num_heads),
+             np.int32(num_heads // cache.num_kv_heads), np.int32(head_size),
+             np.int32(cache.key_cache.shape[3] * cache.key_cache.itemsize), np.int32(cache.block_size),
+             np.int32(int(cache.block_size).bit_length() - 1), np.int32(cache.num_blocks),
+             np.int32(table.shape[1]), np.int32(plan.split_tokens), np.int32(sliding_window or 0),
+             np.float32(softcap), np.float32(code_unit)),
+            shared_mem=kernel.shared_bytes)
+        # 3. Merge the splits (and the sinks); 4. rotate back into `out`.
+        target = work["out"] if rotated else out.data
+        target_dtype = np.dtype(np.float32) if rotated else out.dtype
+        merge = plan.function("merge_splits", {"KVC_OUT_T": formats.CPP_TYPES[target_dtype]})
+        sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
+        merge((num_tokens * num_heads,), (min(256, -(-head_size // 32) * 32),),
+              (work["part_out"], work["part_stats"], sink_logits if sink_logits is not None else np.uintp(0),
+               target, np.int32(plan.num_splits), np.int32(num_tokens), np.int32(num_heads),
+               np.int32(head_size)))
+        if rotated:
+            _rotate_rows(work["out"].reshape(-1, head_size), out.data.reshape(-1, head_size),
+                                rotation, inverse=True, divisor=float(rotation.norm),
+                                x_dtype=np.dtype(np.float32), out_dtype=out.dtype)

@@ -1,0 +1,248 @@
+"""CUDA paged attention against the float64 oracle on the same quantized cache.
+
+The cache is written once on the host (the CPU backend, whose bytes equal the
+oracle's), copied to the GPU and wrapped there, so that these tests judge the
+attention kernel alone; the GPU write path has its own tests.
+
+Tolerance, from the arithmetic (attention.cuh): every cache code enters the
+tensor-core products exactly; the query enters as a two-term fp16 split
+(relative error below 2^-21); scores accumulate in fp32. The probabilities
+enter the P.V product rounded to fp16 (relative error at most 2^-11 each),
+while the denominator sums them in fp32: the output is off by at most 2^-11
+~ 4.9e-4 relative, plus fp32 accumulation (~1e-6) and the rounding of the
+output to its dtype (half an ulp: 2^-11 fp16, 2^-8 bf16 per element, about
+a third of that in norm). ATTENTION_BOUND = 2e-3 leaves room for the sum of
+these over long contexts, and is well under a wrong scale, zero-point or mask
+(errors of order 1e-2 and up). Checked over the whole output and per channel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcupy as kc
+from kvcupy import backends, reference
+
+from .helpers import paged_batch
+
+pytestmark = pytest.mark.gpu
+
+if not backends.status("cuda").usable:
+    pytest.skip(f"the CUDA backend is not usable here: {backends.status('cuda').detail}",
+                allow_module_level=True)
+
+import cupy  # noqa: E402  (only where the backend is usable)
+
+ATTENTION_BOUND = 2e-3
+OUTPUT_ROUNDING = {np.dtype(np.float32): 0.0, np.dtype(np.float16): 2.0 ** -12,
+                   np.dtype(kc.formats.MODEL_DTYPES["bfloat16"]): 2.0 ** -9}
+
+
+def to_device(array):
+    if array is None:
+        return None
+    if array.dtype == kc.formats.MODEL_DTYPES["bfloat16"]:
+        return cupy.asarray(array.view(np.uint16))   # bits; the cache knows its dtype
+    if array.dtype == kc.formats.FP8_DTYPE:
+        return cupy.asarray(array.view(np.uint8))
+    return cupy.asarray(array)
+
+
+class DeviceBf16:
+    """A bfloat16 array on the GPU handed over through DLPack (as torch would)."""
+
+    def __init__(self, bits):
+        self.bits = bits
+
+    def __dlpack_device__(self):
+        return self.bits.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        from kvcupy import interop
+        capsule = self.bits.__dlpack__(**kwargs)
+        import ctypes
+        name = b"dltensor_versioned" if kwargs.get("max_version") else b"dltensor"
+        tensor = interop._get_pointer(capsule, name) + interop._TENSOR_OFFSETS[name]
+        ctypes.c_uint8.from_address(tensor + interop._DTYPE_CODE_OFFSET).value = interop.DLPACK_BFLOAT
+        return capsule
+
+
+def device_query(query):
+    if query.dtype == kc.formats.MODEL_DTYPES["bfloat16"]:
+        return DeviceBf16(cupy.asarray(query.view(np.uint16)))
+    return cupy.asarray(query)
+
+
+def from_device(result, dtype):
+    if isinstance(result, DeviceBf16):
+        result = result.bits
+    array = cupy.asnumpy(result)
+    if dtype == kc.formats.MODEL_DTYPES["bfloat16"] and array.dtype == np.uint16:
+        array = array.view(dtype)
+    return array.astype(np.float64)
+
+
+def host_cache(rng, batch, kv_dtype, head_size, num_kv_heads, block_size, model_dtype, rotation):
+    plan = None if rotation == "default" else kc.rotation_plan(head_size, rotation)
+    cache = kc.allocate_cache(batch.num_blocks, block_size, num_kv_heads, head_size, kv_dtype,
+                              rotation=plan, dtype=model_dtype)
+    shape = (batch.num_tokens, num_kv_heads, head_size)
+    # Keys with a few outlier channels, as in repro: the rotation has work to do.
+    keys = rng.standard_normal(shape).astype(np.float32)
+    keys[..., :4] *= 8
+    values = rng.standard_normal(shape).astype(np.float32)
+    kc.reshape_and_cache(keys.astype(model_dtype), values.astype(model_dtype), cache, batch.slot_mapping)
+    return cache
+
+
+def device_view(cache):
+    return kc.wrap_cache(*(to_device(t) for t in (cache.key_cache, cache.value_cache,
+                                                  cache.k_scale_cache, cache.v_scale_cache)),
+                         kv_dtype=cache.kv_dtype, rotation=cache.rotation) if cache.k_scale_cache is not None \
+        else kc.wrap_cache(DeviceBf16(to_device(cache.key_cache)) if cache.key_cache.dtype.itemsize == 2
+                           and cache.key_cache.dtype != np.float16 else to_device(cache.key_cache),
+                           DeviceBf16(to_device(cache.value_cache)) if cache.value_cache.dtype.itemsize == 2
+                           and cache.value_cache.dtype != np.float16 else to_device(cache.value_cache),
+                           kv_dtype="auto", rotation=cache.rotation)
+
+
+def check(case: str, out, expected, out_dtype):
+    bound = ATTENTION_BOUND + OUTPUT_ROUNDING[np.dtype(out_dtype)]
+    assert np.isfinite(out).all(), f"{case}: non-finite output"
+    overall = np.linalg.norm(out - expected) / np.linalg.norm(expected)
+    assert overall <= bound, f"{case}: relative error {overall:.2e} > {bound:.1e}"
+    # Per channel: a bias confined to a few channels (e.g. the first of each
+    # rotation block) hides in the overall norm; it cannot hide here.
+    rows = out.reshape(-1, out.shape[-1])
+    want = expected.reshape(-1, expected.shape[-1])
+    per_channel = np.linalg.norm(rows - want, axis=0) / np.linalg.norm(want, axis=0)
+    worst = int(np.argmax(per_channel))
+    assert per_channel[worst] <= 2 * bound, (
+        f"{case}: channel {worst} relative error {per_channel[worst]:.2e} > {2 * bound:.1e}")
+    return overall
+
+
+def run_case(*, kv_dtype="int4_per_token_head", head_size=128, block_size=16, num_kv_heads=2, group=4,
+             seq_lens=(300, 1000), query_lens=(1, 1), query_dtype=np.float32, model_dtype=np.float16,
+             rotation="default", seed=0, **options):
+    rng = np.random.default_rng(seed)
+    batch = paged_batch(rng, list(seq_lens), list(query_lens), block_size)
+    cache = host_cache(rng, batch, kv_dtype, head_size, num_kv_heads, block_size, model_dtype, rotation)
+    num_heads = num_kv_heads * group
+    query = (rng.standard_normal((batch.num_queries, num_heads, head_size)) * 2).astype(query_dtype)
+    if options.get("sinks") is not None:
+        options["sinks"] = rng.standard_normal(num_heads).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    expected = reference.paged_attention(query, cache, **args, **options)
+    result = kc.paged_attention(device_query(query), device_view(cache), **args, **options)
+    return from_device(result, np.dtype(query_dtype)), expected
+
+
+HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 256)
+KV_DTYPES = ("int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "auto")
+
+
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_decode_every_head_size_and_kv_dtype(kv_dtype, head_size):
+    out, expected = run_case(kv_dtype=kv_dtype, head_size=head_size, seq_lens=(37, 700, 1500),
+                             query_lens=(1, 1, 1), seed=head_size)
+    check(f"{kv_dtype} d={head_size}", out, expected, np.float32)
+
+
+@pytest.mark.parametrize("block_size", (8, 16, 32, 128))
+@pytest.mark.parametrize("group", (1, 4, 8, 16))
+def test_block_sizes_and_gqa(block_size, group):
+    out, expected = run_case(block_size=block_size, group=group, num_kv_heads=2 if group < 16 else 1,
+                             seq_lens=(129, 517), seed=block_size + group)
+    check(f"B={block_size} group={group}", out, expected, np.float32)
+
+
+@pytest.mark.parametrize("query_dtype", (np.float16, "bfloat16", np.float32))
+@pytest.mark.parametrize("kv_dtype,model_dtype", [("int4_per_token_head", np.float16),
+                                                  ("auto", np.float16), ("auto", "bfloat16"),
+                                                  ("fp8_per_token_head", "bfloat16")])
+def test_query_and_model_dtypes(query_dtype, kv_dtype, model_dtype):
+    bf16 = kc.formats.MODEL_DTYPES["bfloat16"]
+    query_dtype = bf16 if query_dtype == "bfloat16" else np.dtype(query_dtype)
+    model_dtype = bf16 if model_dtype == "bfloat16" else np.dtype(model_dtype)
+    out, expected = run_case(kv_dtype=kv_dtype, query_dtype=query_dtype, model_dtype=model_dtype)
+    check(f"{kv_dtype}/{model_dtype} q={query_dtype}", out, expected, query_dtype)
+
+
+@pytest.mark.parametrize("mode,seq_lens,query_lens", [
+    ("spec-decode", (200, 900), (4, 8)),
+    ("prefill", (300, 77), (300, 77)),
+    ("chunked prefill", (1000, 200), (64, 200)),
+    ("mixed", (500, 40, 2000, 9), (1, 40, 5, 9)),
+])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_every_query_length(mode, seq_lens, query_lens, kv_dtype):
+    out, expected = run_case(kv_dtype=kv_dtype, seq_lens=seq_lens, query_lens=query_lens)
+    check(f"{mode} {kv_dtype}", out, expected, np.float32)
+
+
+@pytest.mark.parametrize("options", [dict(sliding_window=100), dict(softcap=5.0), dict(sinks=True),
+                                     dict(sliding_window=33, softcap=2.0, sinks=True)],
+                         ids=["window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("query_lens", [(1, 1), (40, 300)], ids=["decode", "prefill"])
+def test_window_softcap_sinks(options, query_lens):
+    options = dict(options)
+    if options.get("sinks"):
+        options["sinks"] = np.zeros(1)   # replaced by random logits in run_case
+    out, expected = run_case(seq_lens=(700, 300), query_lens=query_lens, **options)
+    check(f"{options} {query_lens}", out, expected, np.float32)
+
+
+@pytest.mark.parametrize("rotation", ["blockdiag", "kron", "none"])
+@pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "int8_per_token_head"])
+def test_rotations(rotation, kv_dtype):
+    out, expected = run_case(kv_dtype=kv_dtype, head_size=96, rotation=rotation)
+    check(f"{kv_dtype} {rotation}", out, expected, np.float32)
+
+
+@pytest.mark.parametrize("context", [1, 2, 15, 16, 17, 255, 1024, 4097, 32768])
+def test_context_lengths(context):
+    out, expected = run_case(seq_lens=(context, max(1, context // 3)), num_kv_heads=8, group=4,
+                             seed=context)
+    check(f"context {context}", out, expected, np.float32)
+
+
+def test_context_131072():
+    out, expected = run_case(seq_lens=(131072,), query_lens=(1,), num_kv_heads=8, group=4, seed=7)
+    check("context 131072", out, expected, np.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_nan_key_gives_nan_exactly_where_it_is_seen(kv_dtype):
+    rng = np.random.default_rng(5)
+    batch = paged_batch(rng, [50, 30], [1, 1], 16)
+    cache = host_cache(rng, batch, kv_dtype, 64, 2, 16, np.float16, "default")
+    bad = np.full((1, 2, 64), np.nan, np.float16)
+    bad[0, 1] = 1.0   # only KV head 0 is broken
+    kc.reshape_and_cache(bad, bad, cache, batch.slot_mapping[:1])   # token 0 of sequence 0
+    query = rng.standard_normal((2, 8, 64)).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    out = from_device(kc.paged_attention(cupy.asarray(query), device_view(cache), **args), np.float32)
+    finite = np.isfinite(out).all(axis=-1)
+    # Sequence 0, query heads 0-3 read KV head 0: NaN. Everything else finite.
+    assert not finite[0, :4].any() and finite[0, 4:].all() and finite[1].all(), finite
+
+
+def test_out_of_range_ids_never_fault():
+    """Device metadata is not read back: bad block ids and lengths give garbage
+    rows, never an access outside the cache (compute-sanitizer checks the reads)."""
+    rng = np.random.default_rng(9)
+    batch = paged_batch(rng, [40, 20], [1, 1], 16)
+    cache = device_view(host_cache(rng, batch, "int4_per_token_head", 64, 2, 16, np.float16, "default"))
+    table = batch.block_table.copy()
+    table[0, 0], table[1, 0] = 10 ** 6, -5
+    query = cupy.asarray(rng.standard_normal((2, 8, 64)).astype(np.float32))
+    out = kc.paged_attention(query, cache, block_table=cupy.asarray(table),
+                             seq_lens=cupy.asarray(np.array([10 ** 6, 20], np.int32)))
+    cupy.cuda.Device().synchronize()
+    assert out.shape == (2, 8, 64)
+    with pytest.raises(ValueError, match="block_table"):
+        kc.paged_attention(query, cache, block_table=cupy.asarray(table),
+                           seq_lens=cupy.asarray(batch.seq_lens), validate=True)
