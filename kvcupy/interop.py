@@ -122,22 +122,24 @@ class _Relabelled:
         return self._device
 
 
-def _export(x, name: str):
+def _export(x, name: str, stream=None):
     """(capsule, its name): versioned when the producer speaks DLPack 1.x, since
-    NumPy marks arrays imported from legacy capsules read-only."""
+    NumPy marks arrays imported from legacy capsules read-only. `stream`: the
+    consumer's stream (DLPack's convention), on which the producer orders its work."""
+    kwargs = {} if stream is None else {"stream": stream}
     try:
         try:
-            return x.__dlpack__(max_version=(1, 0)), b"dltensor_versioned"
+            return x.__dlpack__(max_version=(1, 0), **kwargs), b"dltensor_versioned"
         except TypeError:   # a producer from before DLPack 1.0
-            return x.__dlpack__(), b"dltensor"
+            return x.__dlpack__(**kwargs), b"dltensor"
     except (BufferError, RuntimeError, TypeError, ValueError) as error:
         raise TypeError(f"{name} could not be exported through DLPack: {error}") from None
 
 
-def _relabel_raw(x, name: str):
+def _relabel_raw(x, name: str, stream=None):
     """(importable DLPack object, logical dtype or None): bfloat16 / float8 capsules
     relabelled as uint16 / uint8, so that NumPy and CuPy import them without a copy."""
-    capsule, capsule_name = _export(x, name)
+    capsule, capsule_name = _export(x, name, stream)
     try:
         tensor = _get_pointer(capsule, capsule_name) + _TENSOR_OFFSETS[capsule_name]
     except ValueError:   # a 1.x producer that still answered with a legacy capsule
@@ -202,12 +204,18 @@ def as_array(x, name: str) -> Array:
 
     from . import backends
     backend = backends.for_device(device, name)
+    if framework == "cupy":
+        # The backend's own array type: nothing to import (and no DLPack stream
+        # handshake, which CuPy refuses while a stream is being captured).
+        return Array(x, np.dtype(x.dtype), device, framework, name)
     if framework == "torch":
-        raw, logical = _torch_raw(x)
+        x, tagged = _torch_raw(x)
     else:
-        raw, logical = _relabel_raw(x, name)
+        tagged = None
+    stream = backend.dlpack_stream(device)
+    raw, logical = _relabel_raw(x, name, stream)
     data = backend.import_dlpack(raw)
-    return Array(data, logical or np.dtype(data.dtype), device, framework, name)
+    return Array(data, tagged or logical or np.dtype(data.dtype), device, framework, name)
 
 
 def index_array(x, name: str) -> Array:

@@ -60,6 +60,9 @@ class FakeBackend:
     def upload(self, array, device):
         return array
 
+    def dlpack_stream(self, device):
+        return None
+
     def __getattr__(self, method):
         """rotate, reshape_and_cache, plan_attention, paged_attention, copy_blocks:
         recorded, then done by the CPU backend."""

@@ -46,8 +46,15 @@ class Backend(Protocol):
     def import_dlpack(self, x) -> Any:
         """The backend's array viewing a DLPack producer's memory on its device."""
 
+    def dlpack_stream(self, device) -> int | None:
+        """The stream a producer should order its work on before handing memory over
+        (DLPack's `stream` argument): the stream this backend will launch on."""
+
     def zeros(self, shape: tuple, dtype, device) -> Any:
         """A zero-filled array on `device` (dtype: NumPy dtype, bfloat16/fp8 as bits)."""
+
+    def empty(self, shape: tuple, dtype, device) -> Any:
+        """An uninitialised array on `device`, as zeros."""
 
     def rotate(self, x, plan, inverse: bool, out) -> None:
         """out = plan's rotation (or its inverse) of x's last axis, in x's dtype."""
@@ -66,9 +73,8 @@ class Backend(Protocol):
     def copy_blocks(self, caches: Sequence, pairs) -> None:
         """For every cache, copy block pairs[i, 0] onto block pairs[i, 1] (all tensors)."""
 
-    def check_indices(self, array, low: int, high: int, name: str) -> None:
-        """Raise ValueError naming `name` unless every entry is in [low, high) or < 0
-        where negative means padding; a synchronisation on a device (validate=True)."""
+    def upload(self, array, device) -> Any:
+        """A host (NumPy) index array on `device`, as the backend's array."""
 
 
 class BackendUnavailable(RuntimeError):

@@ -31,6 +31,10 @@ def import_dlpack(x) -> np.ndarray:
     return np.from_dlpack(x)
 
 
+def dlpack_stream(device) -> None:
+    return None   # host memory: no stream to order on
+
+
 def zeros(shape: tuple, dtype, device) -> np.ndarray:
     return np.zeros(shape, dtype)
 

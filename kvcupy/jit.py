@@ -1,0 +1,395 @@
+"""Find a kernel source, specialise it, compile it through NVRTC, cache the module.
+
+A specialisation is an entry (`kernels_cu/<entry>.cu`), its -D defines and an
+arch (`sm_90`). NVRTC comes from CuPy's bindings (`cupy.cuda.nvrtc`, the pip
+NVRTC wheel): no CUDA toolkit and no C++ compiler on the user's machine.
+
+Compiled cubins live on disk per arch, in `cache_dir()/nvrtc-<version>/<arch>/`,
+each named by its key `<entry>-<defines digest>-<arch>-<hash>`; the hash covers
+every byte of the entry and of every header it includes with `#include "..."`
+(transitively), the options, the NVRTC version and the arch, so an edited
+header never serves a stale binary (CuPy's own cache key ignores headers). A
+JSON sidecar beside each cubin records what was built and what ptxas reported.
+Loaded modules are memoised per device in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping
+
+try:
+    import fcntl
+except ImportError:   # Windows: no flock; the atomic rename alone still never shows a torn file
+    fcntl = None
+
+SOURCE_DIR_ENV = "KVCUPY_KERNEL_DIR"
+CACHE_DIR_ENV = "KVCUPY_CACHE_DIR"
+# -Xptxas=-v makes ptxas log registers and spills per kernel (read by parse_ptxas_log).
+BASE_OPTIONS = ("--std=c++17", "-Xptxas=-v")
+
+Defines = Mapping[str, object]
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    key: str                  # names the cubin on disk: <entry>-<defines digest>-<arch>-<hash>
+    arch: str                 # sm_XY
+    seconds: float            # NVRTC wall time when this cubin was built (also when it came from the cache)
+    registers: dict           # kernel name -> registers per thread, from the ptxas log
+    spills: dict              # kernel name -> bytes of spill stores + loads
+    cached: bool              # found on disk: nothing was compiled by this call
+    path: Path                # the cubin
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a specialisation; `log` is NVRTC's program log."""
+
+    def __init__(self, key: str, options: tuple, log: str):
+        super().__init__(f"NVRTC could not compile {key} (options: {' '.join(options)}):\n{log}")
+        self.key = key
+        self.options = options
+        self.log = log
+
+
+# ---------------------------------------------------------------- sources
+
+def source_dir() -> Path:
+    """kernels_cu/: $KVCUPY_KERNEL_DIR, else inside the package (a wheel), else beside it (a checkout)."""
+    override = os.environ.get(SOURCE_DIR_ENV)
+    if override:
+        return Path(override).resolve()
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "kernels_cu", package.parent / "kernels_cu"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("kvcupy's CUDA sources (kernels_cu/) are missing from this installation")
+
+
+_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+# (path, mtime_ns, size) -> (sha256 hex, quoted includes): a process hashes each file once,
+# and a file edited while the process runs is read again.
+_file_memo: dict[tuple, tuple[str, tuple[str, ...]]] = {}
+
+
+def _read_source(path: Path) -> tuple[str, tuple[str, ...]]:
+    stat = path.stat()
+    memo_key = (str(path), stat.st_mtime_ns, stat.st_size)
+    found = _file_memo.get(memo_key)
+    if found is None:
+        text = path.read_bytes()
+        found = (hashlib.sha256(text).hexdigest(), tuple(m.decode() for m in _INCLUDE.findall(text)))
+        _file_memo[memo_key] = found
+    return found
+
+
+def _resolve_include(name: str, including: Path, root: Path) -> Path | None:
+    """Where NVRTC finds `#include "name"`: beside the including file, then in -I<root>.
+
+    None for a header that is not ours (e.g. a quoted CUDA header): NVRTC
+    supplies it, and the NVRTC version in the key covers it.
+    """
+    for base in (including.parent, root):
+        candidate = (base / name).resolve()
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def source_files(entry: str, root: Path | None = None) -> dict[str, str]:
+    """The entry and every header it includes, transitively: relative name -> sha256.
+
+    A header included under an #if counts too: hashing one file too many only
+    costs a rebuild, missing one would serve a stale binary.
+    """
+    root = root or source_dir()
+    entry_path = root / f"{entry}.cu"
+    if not entry_path.is_file():
+        raise FileNotFoundError(f"no kernel entry {entry!r}: {entry_path} does not exist")
+    digests: dict[str, str] = {}
+    pending = [entry_path.resolve()]
+    while pending:
+        path = pending.pop()
+        name = os.path.relpath(path, root)
+        if name in digests:
+            continue
+        digest, includes = _read_source(path)
+        digests[name] = digest
+        for include in includes:
+            resolved = _resolve_include(include, path, root)
+            if resolved is not None:
+                pending.append(resolved)
+    return dict(sorted(digests.items()))
+
+
+# ---------------------------------------------------------------- keys and options
+
+_nvrtc_version: tuple[int, int] | None = None
+
+
+def nvrtc_version() -> tuple[int, int]:
+    global _nvrtc_version
+    if _nvrtc_version is None:
+        from cupy.cuda import nvrtc
+        _nvrtc_version = tuple(nvrtc.getVersion())
+    return _nvrtc_version
+
+
+def define_values(defines: Defines) -> dict[str, str | None]:
+    """Each define's value as C reads it: True/False are 1/0 (C has no `True`); None defines
+    the name bare."""
+    values = {}
+    for name, value in sorted(defines.items()):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"define name {name!r} is not a C identifier")
+        values[name] = None if value is None else str(int(value) if isinstance(value, bool) else value)
+    return values
+
+
+def define_flags(defines: Defines) -> tuple[str, ...]:
+    """-DNAME=value, sorted by name."""
+    return tuple(f"-D{name}" if value is None else f"-D{name}={value}"
+                 for name, value in define_values(defines).items())
+
+
+def compile_options(defines: Defines, arch: str, extra_options: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Options that change the cubin (and so enter the key); include paths are added at compile time."""
+    return (*BASE_OPTIONS, f"--gpu-architecture={arch}", *extra_options, *define_flags(defines))
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def specialisation_key(entry: str, defines: Defines, arch: str, extra_options: tuple[str, ...] = (),
+                       root: Path | None = None) -> str:
+    """`<entry>-<defines digest>-<arch>-<hash>`: readable in a listing, unique by content."""
+    options = compile_options(defines, arch, extra_options)
+    content = _digest(source_files(entry, root), options, nvrtc_version(), arch)
+    defines_digest = _digest(define_flags(defines))[:8]
+    return f"{entry.replace('/', '.')}-{defines_digest}-{arch}-{content[:12]}"
+
+
+def device_arch() -> str:
+    """sm_XY of the current CUDA device (plain sm_90 on H100/H200: no sm_90a-only features used)."""
+    import cupy
+    return f"sm_{cupy.cuda.Device().compute_capability}"
+
+
+# ---------------------------------------------------------------- the disk cache
+
+def cache_dir() -> Path:
+    """Root of the compile cache: $KVCUPY_CACHE_DIR, else $XDG_CACHE_HOME/kvcupy or ~/.cache/kvcupy."""
+    override = os.environ.get(CACHE_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvcupy"
+
+
+def _version_dir() -> Path:
+    major, minor = nvrtc_version()
+    return cache_dir() / f"nvrtc-{major}.{minor}"
+
+
+def cache_size_bytes() -> int:
+    """Bytes under cache_dir() (cubins, sidecars and NVRTC's unpacked headers); 0 when absent."""
+    total = 0
+    for folder, _, files in os.walk(cache_dir()):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an flock on lock_path: one compiler per key across threads and processes.
+
+    flock (not lockf): its locks belong to the open file, so two threads of one
+    process that open the file separately exclude each other too. The lock file
+    stays: deleting it would let a third process lock a fresh inode.
+    """
+    with open(lock_path, "a+b") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        yield
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write beside `path`, then rename: a reader sees the old file or the whole new one."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+# ---------------------------------------------------------------- NVRTC
+
+_include_options_memo: dict[Path, tuple[str, ...]] = {}
+
+
+def _nvrtc_bundles_headers() -> bool:
+    """NVRTC 13.x carries cuda_fp16.h, cuda_bf16.h, cuda_fp8.h and CCCL in libnvrtc-builtins
+    but only hands them out unpacked (nvrtcInstallBundledHeaders, nvrtc.h)."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+        library = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
+    except Exception:
+        return False
+    return hasattr(library, "nvrtcInstallBundledHeaders")
+
+
+def cuda_include_options() -> tuple[str, ...]:
+    """Where NVRTC finds <cuda_fp16.h> and friends.
+
+    NVRTC 13's --use-bundled-headers=<dir> unpacks its own headers into <dir>
+    once (under a file lock of its own) and adds -I<dir> and -I<dir>/cccl.
+    Older NVRTC (the cuda12 extra) has no bundle: use a CUDA toolkit's
+    include/ if CuPy finds one. These paths stay out of the key: the headers
+    they hold are fixed by the NVRTC version, which is in it.
+    """
+    headers = _version_dir() / "include"
+    if headers not in _include_options_memo:
+        if _nvrtc_bundles_headers():
+            _include_options_memo[headers] = (f"--use-bundled-headers={headers}",)
+        else:
+            _include_options_memo[headers] = _toolkit_include_options()
+    return _include_options_memo[headers]
+
+
+def _toolkit_include_options() -> tuple[str, ...]:
+    try:
+        from cupy import _environment
+        toolkit = Path(_environment.get_cuda_path() or "/nonexistent") / "include"
+    except Exception:   # CuPy's search raises on some broken installs; then there is no toolkit
+        return ()
+    return (f"-I{toolkit}",) if (toolkit / "cuda_fp16.h").is_file() else ()
+
+
+def _nvrtc_compile(root: Path, entry: str, key: str, options: tuple[str, ...]) -> tuple[bytes, str]:
+    """(cubin, program log) of kernels_cu/<entry>.cu, or CompileError carrying the log."""
+    from cupy.cuda import nvrtc
+    source = root / f"{entry}.cu"
+    all_options = (*options, f"-I{root}", *cuda_include_options())
+    program = nvrtc.createProgram(source.read_text(), str(source), [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, list(all_options))
+        except nvrtc.NVRTCError as error:
+            log = nvrtc.getProgramLog(program).rstrip("\x00") or str(error)
+            raise CompileError(key, all_options, log) from None
+        return nvrtc.getCUBIN(program), nvrtc.getProgramLog(program).rstrip("\x00")
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPERTIES = re.compile(r"Function properties for (\S+)")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGISTERS = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas_log(log: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(registers, spill bytes) per kernel from `ptxas -v` output.
+
+    ptxas writes, per kernel: "Compiling entry function 'k' for 'sm_90'",
+    "Function properties for k", "... N bytes spill stores, M bytes spill loads",
+    "Used R registers". Non-kernel (noinline) functions get properties lines too;
+    they are left out.
+    """
+    registers: dict[str, int] = {}
+    spills: dict[str, int] = {}
+    entry = properties_of = None
+    for line in log.splitlines():
+        if found := _ENTRY.search(line):
+            entry = found.group(1)
+        elif found := _PROPERTIES.search(line):
+            properties_of = found.group(1)
+        elif (found := _SPILLS.search(line)) and properties_of is not None:
+            spills[properties_of] = int(found.group(1)) + int(found.group(2))
+        elif (found := _REGISTERS.search(line)) and entry is not None:
+            registers[entry] = int(found.group(1))
+    spills = {name: spills.get(name, 0) for name in registers}
+    return registers, spills
+
+
+# ---------------------------------------------------------------- compile and load
+
+def _sidecar_path(cubin: Path) -> Path:
+    return cubin.with_suffix(".json")
+
+
+def _cached_result(key: str, arch: str, cubin: Path) -> CompileResult:
+    try:
+        record = json.loads(_sidecar_path(cubin).read_text())
+    except (OSError, ValueError):   # a sidecar is written before its cubin; only a hand-made mess lacks one
+        record = {}
+    return CompileResult(key, arch, record.get("seconds", 0.0), record.get("registers", {}),
+                         record.get("spills", {}), True, cubin)
+
+
+def compile_entry(entry: str, defines: Defines | None = None, arch: str | None = None,
+                  extra_options: tuple[str, ...] = ()) -> CompileResult:
+    """The cubin of one specialisation, from the disk cache or compiled now. Needs no GPU
+    when `arch` is given (the current device's arch otherwise)."""
+    defines = dict(defines or {})
+    arch = arch or device_arch()
+    root = source_dir()
+    key = specialisation_key(entry, defines, arch, extra_options, root)
+    folder = _version_dir() / arch
+    cubin_path = folder / f"{key}.cubin"
+    if cubin_path.is_file():
+        return _cached_result(key, arch, cubin_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _exclusive(folder / f"{key}.lock"):
+        if cubin_path.is_file():   # another thread or process built it while this one waited
+            return _cached_result(key, arch, cubin_path)
+        options = compile_options(defines, arch, extra_options)
+        started = time.perf_counter()
+        cubin, log = _nvrtc_compile(root, entry, key, options)
+        seconds = time.perf_counter() - started
+        registers, spills = parse_ptxas_log(log)
+        record = {"key": key, "entry": entry, "arch": arch, "defines": define_values(defines),
+                  "options": list(options), "nvrtc_version": list(nvrtc_version()),
+                  "sources": source_files(entry, root), "seconds": round(seconds, 3),
+                  "registers": registers, "spills": spills, "log": log}
+        # Sidecar first: whoever sees the cubin finds its record.
+        _write_atomically(_sidecar_path(cubin_path), json.dumps(record, indent=1).encode())
+        _write_atomically(cubin_path, cubin)
+    return CompileResult(key, arch, seconds, registers, spills, False, cubin_path)
+
+
+_lock = threading.Lock()
+_modules: dict = {}
+
+
+def get_function(entry: str, function: str, defines: Defines, arch: str | None = None):
+    """Kernel `function` (extern "C") of kernels_cu/<entry>.cu with `defines`, for the current
+    device (a cupy.RawKernel: it launches on CuPy's current stream). `arch` defaults to the
+    device's own, e.g. sm_90; pass "sm_90a" for a kernel that needs sm_90a-only instructions."""
+    import cupy
+    device = cupy.cuda.runtime.getDevice()
+    memo_key = (device, os.environ.get(SOURCE_DIR_ENV), entry, define_flags(defines), arch)
+    module = _modules.get(memo_key)
+    if module is None:
+        result = compile_entry(entry, defines, arch or device_arch())
+        module = cupy.RawModule(path=str(result.path))
+        with _lock:
+            module = _modules.setdefault(memo_key, module)
+    return module.get_function(function)
