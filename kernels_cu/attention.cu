@@ -9,7 +9,7 @@ using namespace kvc_attn;
 #ifdef KVC_ATTN_KV
 typedef Attention<KVC_ATTN_KV, KVC_HEAD_PAD, KVC_HEADS, KVC_M_TILES, KVC_TILE, KVC_STAGES, KVC_CHUNK> Kernel;
 
-extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS)
+extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS, KVC_MIN_BLOCKS)
 paged_attention(const float* query, const u8* key_cache, const u8* value_cache, const u8* k_scales,
                 const u8* v_scales, const long long* strides, const int* block_table, const int* seq_lens,
                 const int* cu_seqlens_q, const int* tiles, float* part_out, float* part_stats, int num_tokens,

@@ -254,26 +254,57 @@ struct Attention {
   static constexpr bool kBf16 = T::kBf16;
   static constexpr float kLog2e = 1.4426950408889634f;
 
+  // Code offsets: conversions leave OFFSET + code in fp16 (int4: the nibble
+  // under 0x6400 = 1024; int8: the biased byte under 0x6400 = 1024 + 128), exact;
+  // the products subtract OFFSET (and the zero-point) once per score and once
+  // per output row instead of once per value. fp8 and plain caches have none.
+  static constexpr bool kOffset = KV == KV_INT4 || KV == KV_INT8;
+  static constexpr u32 kOffsetHalf = KV == KV_INT8 ? 0x6480u : 0x6400u;   // 1152 or 1024 in fp16
+  static constexpr float kOffsetValue = KV == KV_INT8 ? 1152.f : 1024.f;
+  static constexpr int kWorkPerThread = (TILE * HEADS * (T::kRowBytes / (CHUNK == 1 ? 4 : CHUNK)) +
+                                         T::kThreads - 1) / T::kThreads;
+
+  // Lane l of each warp: the physical block of the tile's l-th page (the tile
+  // starting at `base` spans at most TILE / block_size + 1 pages), -1 outside
+  // [lo, hi) or the cache. Loaded one tile ahead of its use, so that staging
+  // never waits on the block table.
+  static __device__ __forceinline__ int tile_pages(const Params& p, const int* table, int base, int lo, int hi,
+                                                   int block_shift) {
+    const int lane = threadIdx.x & 31;
+    const int first_page = base >> block_shift;
+    const int page = first_page + lane;
+    const int page_start = page << block_shift;
+    int block = -1;
+    if (page_start < hi && page_start + p.block_size > lo && page_start < base + TILE) {
+      block = table[page];
+      if (block < 0 || block >= p.num_blocks) block = -1;
+    }
+    return block;
+  }
+
   // Stage `stage` <- keys/values/scales of tokens base .. base + TILE - 1 that lie in
   // [lo, hi); the others, and every id outside the cache, are zero-filled.
-  static __device__ __forceinline__ void stage_tile(const Params& p, u8* smem, int stage, int seq, int head0,
-                                                    int base, int lo, int hi, int block_shift) {
+  static __device__ __forceinline__ void stage_tile(const Params& p, u8* smem, int stage, int head0, int base,
+                                                    int lo, int hi, int block_shift, int pages) {
     u8* keys = smem + stage * T::kStageBytes;
     u8* values = keys + T::kKeyBytes;
     u8* key_scales = values + T::kKeyBytes;
     u8* value_scales = key_scales + T::kScaleBytes;
-    const int* table = p.block_table + static_cast<long long>(seq) * p.table_width;
+    const int first_page = base >> block_shift;
     constexpr int kPieces = T::kRowBytes / (CHUNK == 1 ? 4 : CHUNK);
     constexpr int kWork = TILE * HEADS * kPieces;
-    for (int c = threadIdx.x; c < kWork; c += T::kThreads) {
+#pragma unroll 1
+    for (int i = 0; i < kWorkPerThread; ++i) {
+      const int c = threadIdx.x + i * T::kThreads;
       const int token = c / (HEADS * kPieces);
       const int rest = c - token * (HEADS * kPieces);
       const int head = rest / kPieces;
       const int piece = rest - head * kPieces;
       const int position = base + token;
-      int block = -1;
-      if (position >= lo && position < hi) block = table[position >> block_shift];
-      const bool valid_token = block >= 0 && block < p.num_blocks;
+      // Every lane takes part in the shuffle, also past the end of the work.
+      const int block = __shfl_sync(0xffffffffu, pages, ((position >> block_shift) - first_page) & 31);
+      if (c >= kWork) continue;
+      const bool valid_token = block >= 0 && position >= lo && position < hi;
       const long long slot = position & (p.block_size - 1);
       const int offset = piece * (CHUNK == 1 ? 4 : CHUNK);
       u8* key_dst = keys + token * T::kTokenStride + head * T::kRowBytes + offset;
@@ -296,12 +327,14 @@ struct Attention {
       }
     }
     if constexpr (kQuantized) {
-      for (int c = threadIdx.x; c < TILE * HEADS; c += T::kThreads) {
+#pragma unroll 1
+      for (int i = 0; i < (TILE * HEADS + T::kThreads - 1) / T::kThreads; ++i) {
+        const int c = threadIdx.x + i * T::kThreads;
         const int token = c / HEADS, head = c - token * HEADS;
         const int position = base + token;
-        int block = -1;
-        if (position >= lo && position < hi) block = table[position >> block_shift];
-        const bool valid_token = block >= 0 && block < p.num_blocks;
+        const int block = __shfl_sync(0xffffffffu, pages, ((position >> block_shift) - first_page) & 31);
+        if (c >= TILE * HEADS) continue;
+        const bool valid_token = block >= 0 && position >= lo && position < hi;
         const long long slot = position & (p.block_size - 1);
         const u8* key_src = p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride +
                             (head0 + head) * p.ks_head_stride;
@@ -318,21 +351,27 @@ struct Attention {
     return KV == KV_INT4 ? __uint_as_float(bits & ~0xFu) : __uint_as_float(bits);
   }
 
-  static __device__ __forceinline__ u32 zero_pair(u32 bits_a, u32 bits_b) {
-    return (0x6400u | (bits_a & 0xFu)) | ((0x6400u | (bits_b & 0xFu)) << 16);
+  // OFFSET + zero-point of two tokens as an fp16 pair (int4: 0x6400 | zp is 1024 + zp).
+  static __device__ __forceinline__ u32 offset_pair(u32 bits_a, u32 bits_b) {
+    if constexpr (KV == KV_INT4) return (0x6400u | (bits_a & 0xFu)) | ((0x6400u | (bits_b & 0xFu)) << 16);
+    return kOffsetHalf | (kOffsetHalf << 16);
   }
 
-  // The B fragment {b0b1, b2b3} of k step kc from one token's key row.
-  static __device__ __forceinline__ void key_fragment(const u32* row, int t, int kc, u32 zero, u32& b0, u32& b1) {
+  static __device__ __forceinline__ float offset_of(u32 bits) {
+    return KV == KV_INT4 ? kOffsetValue + float(bits & 0xFu) : kOffsetValue;
+  }
+
+  // The B fragment {b0b1, b2b3} of k step kc from one token's key row: OFFSET + code.
+  static __device__ __forceinline__ void key_fragment(const u32* row, int t, int kc, u32& b0, u32& b1) {
     if constexpr (KV == KV_INT4) {
       const u32 word = row[4 * (kc >> 1) + t];
       const int shift = (kc & 1) ? 8 : 0;
-      b0 = hsub2(lop_and_or(word >> shift, 0x000F000Fu, 0x64006400u), zero);
-      b1 = hsub2(lop_and_or(word >> (shift + 4), 0x000F000Fu, 0x64006400u), zero);
+      b0 = lop_and_or(word >> shift, 0x000F000Fu, 0x64006400u);
+      b1 = lop_and_or(word >> (shift + 4), 0x000F000Fu, 0x64006400u);
     } else if constexpr (KV == KV_INT8) {
       const u32 word = row[4 * kc + t];
-      b0 = int8_pair(prmt(word, 0u, 0x4140u));
-      b1 = int8_pair(prmt(word, 0u, 0x4342u));
+      b0 = (prmt(word, 0u, 0x4140u) ^ 0x00800080u) | 0x64006400u;
+      b1 = (prmt(word, 0u, 0x4342u) ^ 0x00800080u) | 0x64006400u;
     } else if constexpr (KV == KV_FP8) {
       const u32 word = row[4 * kc + t];
       b0 = fp8_pair(prmt(word, 0u, 0x1404u));
@@ -343,25 +382,25 @@ struct Attention {
     }
   }
 
-  // The A fragment of output M tile md from the rows of tokens 2t, 2t+1, 2t+8, 2t+9.
+  // The A fragment of output M tile md from the rows of tokens 2t, 2t+1, 2t+8, 2t+9: OFFSET + code.
   static __device__ __forceinline__ void value_fragment(const u16* r0, const u16* r1, const u16* r2, const u16* r3,
-                                                       int g, int md, u32 zero01, u32 zero23, u32 (&a)[4]) {
+                                                       int g, int md, u32 (&a)[4]) {
     if constexpr (KV == KV_INT4) {
       const int u = md >> 1, shift = (md & 1) ? 8 : 0;
       const u32 c01 = u32(r0[8 * u + g]) | (u32(r1[8 * u + g]) << 16);
       const u32 c23 = u32(r2[8 * u + g]) | (u32(r3[8 * u + g]) << 16);
-      a[0] = hsub2(lop_and_or(c01 >> shift, 0x000F000Fu, 0x64006400u), zero01);
-      a[1] = hsub2(lop_and_or(c01 >> (shift + 4), 0x000F000Fu, 0x64006400u), zero01);
-      a[2] = hsub2(lop_and_or(c23 >> shift, 0x000F000Fu, 0x64006400u), zero23);
-      a[3] = hsub2(lop_and_or(c23 >> (shift + 4), 0x000F000Fu, 0x64006400u), zero23);
+      a[0] = lop_and_or(c01 >> shift, 0x000F000Fu, 0x64006400u);
+      a[1] = lop_and_or(c01 >> (shift + 4), 0x000F000Fu, 0x64006400u);
+      a[2] = lop_and_or(c23 >> shift, 0x000F000Fu, 0x64006400u);
+      a[3] = lop_and_or(c23 >> (shift + 4), 0x000F000Fu, 0x64006400u);
     } else if constexpr (KV == KV_INT8 || KV == KV_FP8) {
       const u32 c01 = u32(r0[8 * md + g]) | (u32(r1[8 * md + g]) << 16);
       const u32 c23 = u32(r2[8 * md + g]) | (u32(r3[8 * md + g]) << 16);
       if constexpr (KV == KV_INT8) {
-        a[0] = int8_pair(prmt(c01, 0u, 0x4240u));
-        a[1] = int8_pair(prmt(c01, 0u, 0x4341u));
-        a[2] = int8_pair(prmt(c23, 0u, 0x4240u));
-        a[3] = int8_pair(prmt(c23, 0u, 0x4341u));
+        a[0] = (prmt(c01, 0u, 0x4240u) ^ 0x00800080u) | 0x64006400u;
+        a[1] = (prmt(c01, 0u, 0x4341u) ^ 0x00800080u) | 0x64006400u;
+        a[2] = (prmt(c23, 0u, 0x4240u) ^ 0x00800080u) | 0x64006400u;
+        a[3] = (prmt(c23, 0u, 0x4341u) ^ 0x00800080u) | 0x64006400u;
       } else {
         a[0] = fp8_pair(prmt(c01, 0u, 0x2404u));
         a[1] = fp8_pair(prmt(c01, 0u, 0x3414u));
@@ -387,6 +426,10 @@ struct Attention {
 
   static __device__ void run(const Params& p, int block_shift) {
     extern __shared__ __align__(16) u8 smem[];
+    // One softmax step takes 16 tokens: 2 n tiles of the score product, 1 k step
+    // of the output product (a 32-token step needs ~90 more registers: spills).
+    constexpr int NT = 2;
+    constexpr int KS = 1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int seq = p.tiles[2 * blockIdx.y], row_tile = p.tiles[2 * blockIdx.y + 1];
@@ -410,12 +453,15 @@ struct Attention {
     const int last_position = context + last_row / p.group;
     const int key_lo = max(p.window ? first_position - p.window + 1 : 0, split * p.split_tokens);
     const int key_hi = min(last_position + 1, (split + 1) * p.split_tokens);
+    const int* table = p.block_table + static_cast<long long>(seq) * p.table_width;
 
-    // Query fragments: rows 0-7 of each M tile the high fp16 part, rows 8-15 the low.
+    // Query fragments: rows 0-7 of each M tile the high fp16 part, rows 8-15 the low;
+    // query_sum: the row's sum as the products see it (hi + lo), for the code offsets.
     u32 qa[M_TILES][KC][4];
-    float row_unscale[M_TILES];
+    float row_unscale[M_TILES], query_sum[M_TILES];
     int row_position[M_TILES];
     bool row_valid[M_TILES];
+#pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
       const int row = row_begin + mt * 8 + g;
       row_valid[mt] = row < total_rows;
@@ -425,7 +471,9 @@ struct Attention {
                                   kv_head * p.group + row % p.group) * p.head_size;
       float values[KC][4];
       float largest = 0.f;
+#pragma unroll
       for (int kc = 0; kc < KC; ++kc) {
+#pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int logical = 16 * kc + 2 * t + (i & 1) + 8 * (i >> 1);
           const int channel = key_dim_of<KV>(logical);
@@ -439,26 +487,38 @@ struct Attention {
       frexpf(largest, &exponent);
       const float up = largest > 0.f && isfinite(largest) ? ldexpf(1.f, 14 - exponent) : 1.f;
       row_unscale[mt] = 1.f / up;
+      float sum = 0.f;
+#pragma unroll
       for (int kc = 0; kc < KC; ++kc) {
         float hi[4], lo[4];
+#pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float v = values[kc][i] * up;
-          const float2 rounded = unpack(pack(v, 0.f));
-          hi[i] = rounded.x;
-          lo[i] = v - rounded.x;
+          hi[i] = unpack(pack(v, 0.f)).x;
+          lo[i] = unpack(pack(v - hi[i], 0.f)).x;
+          sum += hi[i] + lo[i];
         }
         qa[mt][kc][0] = pack(hi[0], hi[1]);
         qa[mt][kc][1] = pack(lo[0], lo[1]);
         qa[mt][kc][2] = pack(hi[2], hi[3]);
         qa[mt][kc][3] = pack(lo[2], lo[3]);
       }
+      query_sum[mt] = sum_over_quad(sum);
     }
 
     float out[MD][M_TILES][4];
-    for (int md = 0; md < MD; ++md)
-      for (int mt = 0; mt < M_TILES; ++mt)
+    float offset_sum[M_TILES][4];   // sum_j p'_j (OFFSET + zp_j) per row, as out's layout (dim row 0)
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) offset_sum[mt][i] = 0.f;
+#pragma unroll
+      for (int md = 0; md < MD; ++md)
+#pragma unroll
         for (int i = 0; i < 4; ++i) out[md][mt][i] = 0.f;
+    }
     float running_max[M_TILES], running_sum[M_TILES];
+#pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
       running_max[mt] = -KVC_INFINITY;
       running_sum[mt] = 0.f;
@@ -466,17 +526,27 @@ struct Attention {
     float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
     const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
+    int pages = 0;
+#pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < num_tiles) stage_tile(p, smem, s, seq, head0, key_lo + s * TILE, key_lo, key_hi, block_shift);
+      if (s < num_tiles) {
+        pages = tile_pages(p, table, key_lo + s * TILE, key_lo, key_hi, block_shift);
+        stage_tile(p, smem, s, head0, key_lo + s * TILE, key_lo, key_hi, block_shift, pages);
+      }
       cp_async_commit();
     }
+    pages = STAGES - 1 < num_tiles
+                ? tile_pages(p, table, key_lo + (STAGES - 1) * TILE, key_lo, key_hi, block_shift) : 0;
     for (int tile = 0; tile < num_tiles; ++tile) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();
       {
         const int next = tile + STAGES - 1;
-        if (next < num_tiles)
-          stage_tile(p, smem, next % STAGES, seq, head0, key_lo + next * TILE, key_lo, key_hi, block_shift);
+        if (next < num_tiles) {
+          stage_tile(p, smem, next % STAGES, head0, key_lo + next * TILE, key_lo, key_hi, block_shift, pages);
+          if (next + 1 < num_tiles)
+            pages = tile_pages(p, table, key_lo + (next + 1) * TILE, key_lo, key_hi, block_shift);
+        }
         cp_async_commit();
       }
       const int base = key_lo + tile * TILE;
@@ -485,110 +555,143 @@ struct Attention {
       const u32* key_scales = reinterpret_cast<const u32*>(smem + (tile % STAGES) * T::kStageBytes +
                                                            2 * T::kKeyBytes) + warp;
       const u32* value_scales = key_scales + TILE * HEADS;
-#pragma unroll
-      for (int sub = 0; sub < TILE / 16; ++sub) {
-        const int first = sub * 16;
-        // Scores of tokens first + nt*8 + 2t + {0, 1}, rows g (high + low parts).
-        float score[M_TILES][2][4];
+
+#pragma unroll 1
+      for (int step = 0; step < TILE / 16; ++step) {
+        // Scores of tokens nt*8 + 2t + {0, 1}, rows g (high + low parts).
+        float score[M_TILES][NT][4];
+  #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
-          for (int nt = 0; nt < 2; ++nt)
+  #pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+  #pragma unroll
             for (int i = 0; i < 4; ++i) score[mt][nt][i] = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int token = first + nt * 8 + g;
-          const u32* row = reinterpret_cast<const u32*>(keys + token * T::kTokenStride);
-          u32 zero = 0x64006400u;
-          if constexpr (KV == KV_INT4) {
-            const u32 bits = key_scales[token * HEADS];
-            zero = zero_pair(bits, bits);
-          }
-#pragma unroll
+  #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const u32* row = reinterpret_cast<const u32*>(keys + (step * 16 + nt * 8 + g) * T::kTokenStride);
+  #pragma unroll
           for (int kc = 0; kc < KC; ++kc) {
             u32 b0, b1;
-            key_fragment(row, t, kc, zero, b0, b1);
-#pragma unroll
+            key_fragment(row, t, kc, b0, b1);
+  #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) mma<kBf16>(score[mt][nt], qa[mt][kc], b0, b1);
           }
         }
-        // Column tokens of this thread: first + {2t, 2t+1, 8+2t, 9+2t}.
-        int column[4];
-        float key_scale[4], value_scale[4];
-        u32 value_bits[4];
-        for (int i = 0; i < 4; ++i) {
-          column[i] = first + (i >> 1) * 8 + 2 * t + (i & 1);
-          key_scale[i] = kQuantized ? scale_of(key_scales[column[i] * HEADS]) * p.code_unit : 1.f;
-          value_bits[i] = kQuantized ? value_scales[column[i] * HEADS] : 0u;
+        // This thread's column tokens: nt*8 + 2t + {0, 1}, i = 2 nt + {0, 1}.
+        float key_scale[2 * NT], value_scale[2 * NT], key_offset[2 * NT];
+        u32 value_bits[2 * NT];
+  #pragma unroll
+        for (int i = 0; i < 2 * NT; ++i) {
+          const int column = step * 16 + (i >> 1) * 8 + 2 * t + (i & 1);
+          const u32 key_bits = kQuantized ? key_scales[column * HEADS] : 0u;
+          key_scale[i] = kQuantized ? scale_of(key_bits) * p.code_unit : 1.f;
+          key_offset[i] = kOffset ? offset_of(key_bits) : 0.f;
+          value_bits[i] = kQuantized ? value_scales[column * HEADS] : 0u;
           value_scale[i] = kQuantized ? scale_of(value_bits[i]) * p.code_unit : 1.f;
         }
         float tile_reference = reference;
         if constexpr (kQuantized) {
-          float largest = fmaxf(fmaxf(value_scale[0], value_scale[1]), fmaxf(value_scale[2], value_scale[3]));
+          float largest = value_scale[0];
+  #pragma unroll
+          for (int i = 1; i < 2 * NT; ++i) largest = fmaxf(largest, value_scale[i]);
           tile_reference = fmaxf(reference, max_over_quad(largest));
         }
         const float rescale_values = tile_reference > 0.f ? reference / tile_reference : 0.f;
+        const float to_reference = tile_reference > 0.f ? 1.f / tile_reference : 1.f;
         reference = tile_reference;
 
-        u32 pb[M_TILES][2][2];   // P^T fragments (and their low parts for bf16 caches)
+        u32 pb[M_TILES][KS][2][2];   // P^T fragments per k step (and their low parts for bf16 caches)
         float alpha[M_TILES];
+        bool unchanged = rescale_values == 1.f;
+  #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-          float s[4];
-          for (int i = 0; i < 4; ++i) {
+          float s[2 * NT];
+          float tile_max = -KVC_INFINITY;
+  #pragma unroll
+          for (int i = 0; i < 2 * NT; ++i) {
             const int nt = i >> 1, c = i & 1;
-            float v = (score[mt][nt][c] + score[mt][nt][c + 2]) * row_unscale[mt] * key_scale[i];
+            float raw = score[mt][nt][c] + score[mt][nt][c + 2];
+            if constexpr (kOffset) raw -= key_offset[i] * query_sum[mt];
+            float v = raw * row_unscale[mt] * key_scale[i];
             if (p.softcap > 0.f) v = p.softcap * tanhf(v / p.softcap);
-            const int position = base + column[i];
+            const int position = base + step * 16 + nt * 8 + 2 * t + c;
             const bool visible = row_valid[mt] && position < key_hi && position <= row_position[mt] &&
                                  (p.window == 0 || position > row_position[mt] - p.window);
             s[i] = visible ? v : -KVC_INFINITY;
+            tile_max = fmaxf(tile_max, s[i]);
           }
-          const float tile_max = max_over_quad(fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3])));
+          tile_max = max_over_quad(tile_max);
           const float new_max = fmaxf(running_max[mt], tile_max);
           const float shift = new_max == -KVC_INFINITY ? 0.f : new_max;
-          alpha[mt] = exp2f((running_max[mt] - shift) * kLog2e);
+          alpha[mt] = new_max == running_max[mt] ? 1.f : exp2f((running_max[mt] - shift) * kLog2e);
+          unchanged = unchanged && alpha[mt] == 1.f;
           running_max[mt] = new_max;
-          float prob[4], weighted[4], sum = 0.f;
-          for (int i = 0; i < 4; ++i) {
-            prob[i] = exp2f((s[i] - shift) * kLog2e);
-            sum += prob[i];
+          float weighted[2 * NT], sum = 0.f;
+  #pragma unroll
+          for (int i = 0; i < 2 * NT; ++i) {
+            const float prob = exp2f((s[i] - shift) * kLog2e);
+            sum += prob;
             // A token no row here sees adds nothing, even with a NaN scale.
-            weighted[i] = prob[i] == 0.f ? 0.f
-                          : prob[i] * (tile_reference > 0.f ? value_scale[i] / tile_reference : value_scale[i]);
+            weighted[i] = prob == 0.f ? 0.f : prob * (kQuantized ? value_scale[i] * to_reference : 1.f);
           }
           running_sum[mt] = running_sum[mt] * alpha[mt] + sum;
-          pb[mt][0][0] = pack(weighted[0], weighted[1]);
-          pb[mt][0][1] = pack(weighted[2], weighted[3]);
-          if constexpr (kBf16) {
-            const float2 h01 = unpack(pb[mt][0][0]), h23 = unpack(pb[mt][0][1]);
-            pb[mt][1][0] = pack(weighted[0] - h01.x, weighted[1] - h01.y);
-            pb[mt][1][1] = pack(weighted[2] - h23.x, weighted[3] - h23.y);
+  #pragma unroll
+          for (int ks = 0; ks < KS; ++ks) {
+            pb[mt][ks][0][0] = pack(weighted[4 * ks + 0], weighted[4 * ks + 1]);
+            pb[mt][ks][0][1] = pack(weighted[4 * ks + 2], weighted[4 * ks + 3]);
+            if constexpr (kBf16) {
+              const float2 h01 = unpack(pb[mt][ks][0][0]), h23 = unpack(pb[mt][ks][0][1]);
+              pb[mt][ks][1][0] = pack(weighted[4 * ks + 0] - h01.x, weighted[4 * ks + 1] - h01.y);
+              pb[mt][ks][1][1] = pack(weighted[4 * ks + 2] - h23.x, weighted[4 * ks + 3] - h23.y);
+            }
           }
         }
-        // Rescale the accumulators: their columns are rows 2t, 2t+1, whose factors
-        // live in the lanes with groupID 2t and 2t+1.
-        for (int mt = 0; mt < M_TILES; ++mt) {
-          const float f0 = __shfl_sync(0xffffffffu, alpha[mt], (2 * t) * 4) * rescale_values;
-          const float f1 = __shfl_sync(0xffffffffu, alpha[mt], (2 * t + 1) * 4) * rescale_values;
-          for (int md = 0; md < MD; ++md) {
-            out[md][mt][0] *= f0;
-            out[md][mt][1] *= f1;
-            out[md][mt][2] *= f0;
-            out[md][mt][3] *= f1;
-          }
-        }
-        const u16* r0 = reinterpret_cast<const u16*>(values + (first + 2 * t) * T::kTokenStride);
-        const u16* r1 = reinterpret_cast<const u16*>(values + (first + 2 * t + 1) * T::kTokenStride);
-        const u16* r2 = reinterpret_cast<const u16*>(values + (first + 2 * t + 8) * T::kTokenStride);
-        const u16* r3 = reinterpret_cast<const u16*>(values + (first + 2 * t + 9) * T::kTokenStride);
-        const u32 zero01 = KV == KV_INT4 ? zero_pair(value_bits[0], value_bits[1]) : 0x64006400u;
-        const u32 zero23 = KV == KV_INT4 ? zero_pair(value_bits[2], value_bits[3]) : 0x64006400u;
-#pragma unroll
-        for (int md = 0; md < MD; ++md) {
-          u32 a[4];
-          value_fragment(r0, r1, r2, r3, g, md, zero01, zero23, a);
-#pragma unroll
+        // Rescale the accumulators, unless no row's max and not R moved (the common
+        // case once a few tiles are in). Their columns are rows 2t, 2t+1, whose
+        // factors live in the lanes with groupID 2t and 2t+1.
+        if (!__all_sync(0xffffffffu, unchanged)) {
+  #pragma unroll
           for (int mt = 0; mt < M_TILES; ++mt) {
-            mma<kBf16>(out[md][mt], a, pb[mt][0][0], pb[mt][0][1]);
-            if constexpr (kBf16) mma<kBf16>(out[md][mt], a, pb[mt][1][0], pb[mt][1][1]);
+            const float f0 = __shfl_sync(0xffffffffu, alpha[mt], (2 * t) * 4) * rescale_values;
+            const float f1 = __shfl_sync(0xffffffffu, alpha[mt], (2 * t + 1) * 4) * rescale_values;
+  #pragma unroll
+            for (int md = 0; md < MD; ++md) {
+              out[md][mt][0] *= f0;
+              out[md][mt][1] *= f1;
+              out[md][mt][2] *= f0;
+              out[md][mt][3] *= f1;
+            }
+            offset_sum[mt][0] *= f0;
+            offset_sum[mt][1] *= f1;
+          }
+        }
+  #pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          const int first = step * 16 + ks * 16;
+          const u16* r0 = reinterpret_cast<const u16*>(values + (first + 2 * t) * T::kTokenStride);
+          const u16* r1 = reinterpret_cast<const u16*>(values + (first + 2 * t + 1) * T::kTokenStride);
+          const u16* r2 = reinterpret_cast<const u16*>(values + (first + 2 * t + 8) * T::kTokenStride);
+          const u16* r3 = reinterpret_cast<const u16*>(values + (first + 2 * t + 9) * T::kTokenStride);
+  #pragma unroll
+          for (int md = 0; md < MD; ++md) {
+            u32 a[4];
+            value_fragment(r0, r1, r2, r3, g, md, a);
+  #pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+              mma<kBf16>(out[md][mt], a, pb[mt][ks][0][0], pb[mt][ks][0][1]);
+              if constexpr (kBf16) mma<kBf16>(out[md][mt], a, pb[mt][ks][1][0], pb[mt][ks][1][1]);
+            }
+          }
+          if constexpr (kOffset) {
+            // One more product whose A has a single row, OFFSET + zp of each token:
+            // it sums what the offsets added to every output channel, exactly.
+            u32 a[4] = {0u, 0u, 0u, 0u};
+            if (g == 0) {
+              a[0] = offset_pair(value_bits[4 * ks + 0], value_bits[4 * ks + 1]);
+              a[2] = offset_pair(value_bits[4 * ks + 2], value_bits[4 * ks + 3]);
+            }
+  #pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) mma<kBf16>(offset_sum[mt], a, pb[mt][ks][0][0], pb[mt][ks][0][1]);
           }
         }
       }
@@ -598,6 +701,7 @@ struct Attention {
     // Partial state of this split: max and sum per row (lanes t == 0), and the
     // accumulators times R in the cache's channel order.
     const long long split_rows = static_cast<long long>(split) * p.num_tokens;
+#pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
       const float sum = sum_over_quad(running_sum[mt]);
       const int row = row_begin + mt * 8 + g;
@@ -606,16 +710,23 @@ struct Attention {
         p.part_stats[2 * index] = running_max[mt];
         p.part_stats[2 * index + 1] = sum;
       }
+      // The offsets' sums for rows 2t, 2t+1 sit in lane t (groupID 0).
+      const float offset0 = kOffset ? __shfl_sync(0xffffffffu, offset_sum[mt][0], t) : 0.f;
+      const float offset1 = kOffset ? __shfl_sync(0xffffffffu, offset_sum[mt][1], t) : 0.f;
+#pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int out_row = row_begin + mt * 8 + 2 * t + c;
         if (out_row >= total_rows) continue;
         const long long index = (split_rows + q_begin + out_row / p.group) * p.num_heads +
                                 kv_head * p.group + out_row % p.group;
         float* destination = p.part_out + index * p.head_size;
+        const float offset = c ? offset1 : offset0;
+#pragma unroll
         for (int md = 0; md < MD; ++md) {
+#pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int channel = value_dim_of<KV>(16 * md + g + 8 * r);
-            if (channel < p.head_size) destination[channel] = out[md][mt][c + 2 * r] * reference;
+            if (channel < p.head_size) destination[channel] = (out[md][mt][c + 2 * r] - offset) * reference;
           }
         }
       }

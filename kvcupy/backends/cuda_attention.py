@@ -47,10 +47,18 @@ class Kernel:
     chunk: int          # bytes per cp.async (1: plain byte loads)
 
     @property
+    def blocks_per_sm(self) -> int:
+        """Blocks a multiprocessor should hold: 16 warps up to head size 128 (registers
+        capped at 128 a thread to fit them), 8 above; fewer where shared memory is short."""
+        by_shared = max(1, SHARED_BYTES_PER_SM // self.shared_bytes)
+        by_warps = max(1, (16 if self.head_pad <= 128 else 8) // self.heads)
+        return min(by_shared, by_warps)
+
+    @property
     def defines(self) -> dict:
         return {"KVC_ATTN_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_HEADS": self.heads,
                 "KVC_M_TILES": self.m_tiles, "KVC_TILE": self.tile, "KVC_STAGES": STAGES,
-                "KVC_CHUNK": self.chunk}
+                "KVC_CHUNK": self.chunk, "KVC_MIN_BLOCKS": self.blocks_per_sm}
 
     @property
     def row_bytes(self) -> int:
@@ -175,9 +183,7 @@ def plan_attention(batch, cache, num_query_heads: int) -> Plan:
 
     with cupy.cuda.Device(device.index):
         sms = cupy.cuda.Device(device.index).attributes["MultiProcessorCount"]
-    blocks_per_sm = max(1, min(SHARED_BYTES_PER_SM // max(kernel.shared_bytes, 1),
-                               2048 // (32 * kernel.heads)))
-    splits = choose_splits(len(tiles) * head_groups, sms * blocks_per_sm,
+    splits = choose_splits(len(tiles) * head_groups, sms * kernel.blocks_per_sm,
                            most=max(1, -(-longest // (MIN_TILES_PER_SPLIT * kernel.tile))))
     split_tokens = -(-longest // splits)
     split_tokens = -(-split_tokens // kernel.tile) * kernel.tile
