@@ -34,6 +34,13 @@
 
 #include "types.cuh"
 
+// Staging where each thread copies one fixed (head, piece) of every token it
+// takes (fewer index operations, ~40 bytes of spills at d = 128 with 128
+// registers); chosen per specialisation by the launcher.
+#ifndef KVC_FAST_STAGING
+#define KVC_FAST_STAGING 0
+#endif
+
 namespace kvc_attn {
 
 using kvc::u16;
@@ -151,6 +158,13 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// 2^x to ~2 ulp (MUFU.EX2); exact 0 for -inf, NaN for NaN.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float max_over_quad(float x) {   // the 4 lanes of one groupID
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -261,6 +275,8 @@ struct Attention {
   static constexpr bool kOffset = KV == KV_INT4 || KV == KV_INT8;
   static constexpr u32 kOffsetHalf = KV == KV_INT8 ? 0x6480u : 0x6400u;   // 1152 or 1024 in fp16
   static constexpr float kOffsetValue = KV == KV_INT8 ? 1152.f : 1024.f;
+  // fp8 codes enter the products as e4m3 * 2^-8 (fp8_pair): scales carry the 2^8.
+  static constexpr float kCodeUnit = KV == KV_FP8 ? 256.f : 1.f;
   static constexpr int kWorkPerThread = (TILE * HEADS * (T::kRowBytes / (CHUNK == 1 ? 4 : CHUNK)) +
                                          T::kThreads - 1) / T::kThreads;
 
@@ -293,6 +309,30 @@ struct Attention {
     const int first_page = base >> block_shift;
     constexpr int kPieces = T::kRowBytes / (CHUNK == 1 ? 4 : CHUNK);
     constexpr int kWork = TILE * HEADS * kPieces;
+    constexpr int kPerToken = HEADS * kPieces;
+    if constexpr (KVC_FAST_STAGING && CHUNK != 1 && T::kThreads % kPerToken == 0 && TILE % (T::kThreads / kPerToken) == 0) {
+      // Each thread copies the same (head, piece) of every token it takes: the
+      // head's offset is computed once, a token costs two multiply-adds.
+      constexpr int kTokensPerPass = T::kThreads / kPerToken;
+      const int rest = threadIdx.x % kPerToken;
+      const int head = rest / kPieces;
+      const int offset = (rest - head * kPieces) * CHUNK;
+      const int shared_offset = head * T::kRowBytes + offset;
+      const bool in_row = offset < p.row_bytes;
+#pragma unroll 1
+      for (int token = threadIdx.x / kPerToken; token < TILE; token += kTokensPerPass) {
+        const int position = base + token;
+        const int block = __shfl_sync(0xffffffffu, pages, ((position >> block_shift) - first_page) & 31);
+        const int bytes = block >= 0 && position >= lo && position < hi && in_row ? CHUNK : 0;
+        const long long slot = position & (p.block_size - 1);
+        const long long key_at = block * p.k_block_stride + slot * p.k_slot_stride + (head0 + head) * p.k_head_stride;
+        const long long value_at = block * p.v_block_stride + slot * p.v_slot_stride + (head0 + head) * p.v_head_stride;
+        cp_async(keys + token * T::kTokenStride + shared_offset,
+                 bytes ? p.key_cache + key_at + offset : p.key_cache, bytes, CHUNK);
+        cp_async(values + token * T::kTokenStride + shared_offset,
+                 bytes ? p.value_cache + value_at + offset : p.value_cache, bytes, CHUNK);
+      }
+    } else {
 #pragma unroll 1
     for (int i = 0; i < kWorkPerThread; ++i) {
       const int c = threadIdx.x + i * T::kThreads;
@@ -325,6 +365,7 @@ struct Attention {
         cp_async(key_dst, bytes ? key_src : p.key_cache, bytes, CHUNK);
         cp_async(value_dst, bytes ? value_src : p.value_cache, bytes, CHUNK);
       }
+    }
     }
     if constexpr (kQuantized) {
 #pragma unroll 1
@@ -506,6 +547,22 @@ struct Attention {
       query_sum[mt] = sum_over_quad(sum);
     }
 
+    // Extremes over the tile's valid rows (the same in every warp): masks can be
+    // skipped for a step that every row sees whole. Rows past the end are left
+    // unmasked then: they only ever feed outputs that are never written.
+    int min_row_position = 0x7fffffff, max_row_position = -1;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      if (row_valid[mt]) {
+        min_row_position = min(min_row_position, row_position[mt]);
+        max_row_position = max(max_row_position, row_position[mt]);
+      }
+    }
+    for (int offset = 16; offset >= 1; offset /= 2) {
+      min_row_position = min(min_row_position, __shfl_xor_sync(0xffffffffu, min_row_position, offset));
+      max_row_position = max(max_row_position, __shfl_xor_sync(0xffffffffu, max_row_position, offset));
+    }
+
     float out[MD][M_TILES][4];
     float offset_sum[M_TILES][4];   // sum_j p'_j (OFFSET + zp_j) per row, as out's layout (dim row 0)
 #pragma unroll
@@ -584,10 +641,10 @@ struct Attention {
         for (int i = 0; i < 2 * NT; ++i) {
           const int column = step * 16 + (i >> 1) * 8 + 2 * t + (i & 1);
           const u32 key_bits = kQuantized ? key_scales[column * HEADS] : 0u;
-          key_scale[i] = kQuantized ? scale_of(key_bits) * p.code_unit : 1.f;
+          key_scale[i] = kQuantized ? scale_of(key_bits) * kCodeUnit : 1.f;
           key_offset[i] = kOffset ? offset_of(key_bits) : 0.f;
           value_bits[i] = kQuantized ? value_scales[column * HEADS] : 0u;
-          value_scale[i] = kQuantized ? scale_of(value_bits[i]) * p.code_unit : 1.f;
+          value_scale[i] = kQuantized ? scale_of(value_bits[i]) * kCodeUnit : 1.f;
         }
         float tile_reference = reference;
         if constexpr (kQuantized) {
@@ -607,6 +664,10 @@ struct Attention {
         for (int mt = 0; mt < M_TILES; ++mt) {
           float s[2 * NT];
           float tile_max = -KVC_INFINITY;
+          // Every row sees every token of this step (the usual decode step): no masks.
+          const int step_first = base + step * 16;
+          const bool all_visible = step_first + 16 <= key_hi && step_first + 15 <= min_row_position &&
+                                   (p.window == 0 || step_first > max_row_position - p.window);
   #pragma unroll
           for (int i = 0; i < 2 * NT; ++i) {
             const int nt = i >> 1, c = i & 1;
@@ -614,22 +675,23 @@ struct Attention {
             if constexpr (kOffset) raw -= key_offset[i] * query_sum[mt];
             float v = raw * row_unscale[mt] * key_scale[i];
             if (p.softcap > 0.f) v = p.softcap * tanhf(v / p.softcap);
-            const int position = base + step * 16 + nt * 8 + 2 * t + c;
-            const bool visible = row_valid[mt] && position < key_hi && position <= row_position[mt] &&
-                                 (p.window == 0 || position > row_position[mt] - p.window);
+            const int position = step_first + nt * 8 + 2 * t + c;
+            const bool visible = all_visible || (row_valid[mt] && position < key_hi &&
+                                                 position <= row_position[mt] &&
+                                                 (p.window == 0 || position > row_position[mt] - p.window));
             s[i] = visible ? v : -KVC_INFINITY;
             tile_max = fmaxf(tile_max, s[i]);
           }
           tile_max = max_over_quad(tile_max);
           const float new_max = fmaxf(running_max[mt], tile_max);
           const float shift = new_max == -KVC_INFINITY ? 0.f : new_max;
-          alpha[mt] = new_max == running_max[mt] ? 1.f : exp2f((running_max[mt] - shift) * kLog2e);
+          alpha[mt] = new_max == running_max[mt] ? 1.f : fast_exp2((running_max[mt] - shift) * kLog2e);
           unchanged = unchanged && alpha[mt] == 1.f;
           running_max[mt] = new_max;
           float weighted[2 * NT], sum = 0.f;
   #pragma unroll
           for (int i = 0; i < 2 * NT; ++i) {
-            const float prob = exp2f((s[i] - shift) * kLog2e);
+            const float prob = fast_exp2((s[i] - shift) * kLog2e);
             sum += prob;
             // A token no row here sees adds nothing, even with a NaN scale.
             weighted[i] = prob == 0.f ? 0.f : prob * (kQuantized ? value_scale[i] * to_reference : 1.f);

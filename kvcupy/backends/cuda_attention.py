@@ -45,6 +45,7 @@ class Kernel:
     m_tiles: int        # 8 query rows each
     tile: int           # tokens per pipeline stage
     chunk: int          # bytes per cp.async (1: plain byte loads)
+    fast_staging: bool = False   # attention.cuh's KVC_FAST_STAGING
 
     @property
     def blocks_per_sm(self) -> int:
@@ -58,7 +59,8 @@ class Kernel:
     def defines(self) -> dict:
         return {"KVC_ATTN_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_HEADS": self.heads,
                 "KVC_M_TILES": self.m_tiles, "KVC_TILE": self.tile, "KVC_STAGES": STAGES,
-                "KVC_CHUNK": self.chunk, "KVC_MIN_BLOCKS": self.blocks_per_sm}
+                "KVC_CHUNK": self.chunk, "KVC_MIN_BLOCKS": self.blocks_per_sm,
+                "KVC_FAST_STAGING": int(self.fast_staging)}
 
     @property
     def row_bytes(self) -> int:
