@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 from enum import Enum
+from pathlib import Path
 from typing import Any, Callable
 
 import typer
@@ -21,7 +22,9 @@ from kvcupy.backends import BackendUnavailable, resolve as resolve_backend
 from kvcupy.rotation import RotationPlan, check_head_size
 
 from . import bench as bench_module
+from . import bench_cuda
 from . import check as check_module
+from . import plot as plot_module
 from . import render
 from .info import collect_info
 from .repro import ALL_KV_DTYPES, ReproConfig, run_repro, total_steps
@@ -160,6 +163,7 @@ def repro(
 
 @app.command()
 def bench(
+    ctx: typer.Context,
     backend: Backend = choice_option(Backend.auto, help=BACKEND_HELP),
     kv_dtype: KvDtype = choice_option(KvDtype.all, help="KV dtype to time; all: int4, int8, fp8, auto."),
     phase: Phase = choice_option(Phase.all, help="Decode (8 seqs x 4096 tokens), prefill (1 x 2048, "
@@ -171,6 +175,11 @@ def bench(
     warmup: int = typer.Option(1, min=0, help="Untimed calls before a case's timed calls in a round "
                                "(and at least 0.3 s of them)."),
     quick: bool = typer.Option(False, help="Small shapes (2 x 256 decode, 1 x 128 prefill; 8/2 heads)."),
+    groups: str | None = typer.Option(None, help="CUDA only: case groups to time, comma-separated, of "
+                                      "decode, sweep, prefill, write, rotate (default: those of --phase)."),
+    plot: Path | None = typer.Option(None, help="CUDA only: draw decode bandwidth against context length, "
+                                     "with the measured copy line, to this PNG (needs matplotlib: "
+                                     "pip install 'kvcupy[plot]')."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Time paged decode and prefill for each KV dtype against NumPy dense attention.
@@ -178,8 +187,21 @@ def bench(
     The layer is Llama-3-8B-like (32/8 heads, d = 128); the baseline is NumPy
     float32 dense attention on already-dequantized K/V, timed in the same run.
     The first call of each case compiles kvcupy's kernels, which can take a while.
+
+    With --backend cuda, decode, prefill, the write path and rotate run against
+    torch SDPA in bf16, a device-to-device copy of the same bytes and a kernel
+    that only streams the same pages, timed with CUDA events; counts not given
+    take the CUDA defaults (30 timed calls a case, 10 for prefill, 5 warm-up
+    calls).
     """
     device = _device(backend)
+    if device == "cuda":
+        _bench_cuda(ctx, kv_dtype, phase, groups, quick, plot, as_json)
+        return
+    cuda_only = _given_options(ctx, "groups", "plot")
+    if cuda_only:
+        raise typer.BadParameter(f"only with --backend cuda (this run uses {device})",
+                                 param_hint=" / ".join(cuda_only))
     shapes = tuple(shape for shape in (bench_module.QUICK_SHAPES if quick else bench_module.FULL_SHAPES)
                    if phase is Phase.all or shape.phase == phase.value)
     kv_dtypes = _kv_dtypes(kv_dtype, bench_module.ALL_KV_DTYPES)
@@ -189,6 +211,29 @@ def bench(
         report = bench_module.run_bench(shapes, kv_dtypes, device, warmup, repeats_by_phase, rounds,
                                         display.advance, display.status)
     _print_report(report, as_json, render.bench_tables)
+
+
+def _bench_cuda(ctx: typer.Context, kv_dtype: KvDtype, phase: Phase, groups: str | None, quick: bool,
+                plot: Path | None, as_json: bool) -> None:
+    """`bench` on CUDA: counts the user did not give take bench_cuda's defaults."""
+    counts = {name: ctx.params[name] for name in ("repeats", "prefill_repeats", "rounds", "warmup")
+              if _given_options(ctx, name)}
+    try:
+        config = bench_cuda.make_config(phase.value, groups, _kv_dtypes(kv_dtype, bench_module.ALL_KV_DTYPES),
+                                        quick, **counts)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="'--groups'") from None
+    if plot is not None:
+        try:
+            plot_module.require_matplotlib()   # before the run, not after it
+        except ImportError as error:
+            raise typer.BadParameter(str(error), param_hint="'--plot'") from None
+    with render.progress_display(bench_cuda.total_steps(config), Console(stderr=True)) as display:
+        report = bench_cuda.run_bench(config, bench_cuda.CudaRunner(), display.advance, display.status)
+    _print_report(report, as_json, bench_cuda.tables)
+    if plot is not None:
+        written = plot_module.plot_bandwidth(report, plot)
+        Console(stderr=True).print(f"plot: {written}", markup=False, highlight=False)
 
 
 @app.command()
