@@ -18,7 +18,7 @@ import typer
 from rich.console import Console, RenderableType
 
 import kvcupy
-from kvcupy.backends import BackendUnavailable, resolve as resolve_backend
+from kvcupy.backends import BackendUnavailable, names as backend_names, resolve as resolve_backend
 from kvcupy.rotation import RotationPlan, check_head_size
 
 from . import bench as bench_module
@@ -35,11 +35,8 @@ app = typer.Typer(help="kvcupy: quantized (INT4 / INT8 / FP8) paged KV caches fo
                   no_args_is_help=True, add_completion=False, rich_markup_mode="markdown")
 
 
-class Backend(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-    rocm = "rocm"
+# The registry's backends (kvcupy.backends), plus "auto".
+Backend = Enum("Backend", {name: name for name in ("auto",) + backend_names()}, type=str)
 
 
 class Rotation(str, Enum):

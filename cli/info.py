@@ -36,6 +36,22 @@ def versions() -> dict[str, str]:
     return found
 
 
+def compiler() -> dict[str, str]:
+    """NVRTC's version and the kernel compile cache (where, how big), when CuPy is here."""
+    if importlib.util.find_spec("cupy") is None:
+        return {}
+    from kvcupy import jit
+    found = {"kernel cache": str(jit.cache_dir())}
+    try:
+        found["kernel cache size"] = f"{jit.cache_size_bytes() / 2**20:.1f} MiB"
+        found["nvrtc"] = ".".join(map(str, jit.nvrtc_version()))
+    except Exception as error:   # no NVRTC library: say so instead of failing `info`
+        found["nvrtc"] = f"unavailable: {error}"
+    return found
+
+
 def collect_info() -> dict:
-    return {"versions": versions(),
+    """Versions (with NVRTC and the compile cache where CuPy is installed), and every
+    backend's status; the CUDA backend's detail names the GPU."""
+    return {"versions": versions() | compiler(),
             "backends": [asdict(status) for status in all_backend_status()]}

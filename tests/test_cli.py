@@ -104,7 +104,7 @@ def test_gpu_backend_fails_with_the_reason(command, backend):
     result = runner.invoke(app, [command, "--backend", backend])
     assert result.exit_code == 2, result.output
     message = plain_text(result.stderr)
-    assert f"backend '{backend}' is not usable here: not in this build" in message, message
+    assert f"backend '{backend}' is not usable here: {backend_status(backend).detail}" in message, message
     assert result.stdout == ""
 
 
