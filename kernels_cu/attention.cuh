@@ -653,13 +653,16 @@ struct Attention {
           for (int i = 1; i < 2 * NT; ++i) largest = fmaxf(largest, value_scale[i]);
           tile_reference = fmaxf(reference, max_over_quad(largest));
         }
-        const float rescale_values = tile_reference > 0.f ? reference / tile_reference : 0.f;
-        const float to_reference = tile_reference > 0.f ? 1.f / tile_reference : 1.f;
+        // Approximate division suffices: these only choose the units of the
+        // accumulators, and `unchanged` compares the references themselves.
+        bool unchanged = tile_reference == reference;
+        const float rescale_values =
+            unchanged ? 1.f : tile_reference > 0.f ? __fdividef(reference, tile_reference) : 0.f;
+        const float to_reference = tile_reference > 0.f ? __fdividef(1.f, tile_reference) : 1.f;
         reference = tile_reference;
 
         u32 pb[M_TILES][KS][2][2];   // P^T fragments per k step (and their low parts for bf16 caches)
         float alpha[M_TILES];
-        bool unchanged = rescale_values == 1.f;
   #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
           float s[2 * NT];
