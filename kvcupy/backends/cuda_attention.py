@@ -49,10 +49,11 @@ class Kernel:
 
     @property
     def blocks_per_sm(self) -> int:
-        """Blocks a multiprocessor should hold: 16 warps up to head size 128 (registers
-        capped at 128 a thread to fit them), 8 above; fewer where shared memory is short."""
+        """Blocks a multiprocessor should hold: 16 warps up to head size 128 with one M
+        tile (registers capped at 128 a thread to fit them: no spills there), 8 for
+        more accumulators; fewer where shared memory is short."""
         by_shared = max(1, SHARED_BYTES_PER_SM // self.shared_bytes)
-        by_warps = max(1, (16 if self.head_pad <= 128 else 8) // self.heads)
+        by_warps = max(1, (16 if self.head_pad * self.m_tiles <= 128 else 8) // self.heads)
         return min(by_shared, by_warps)
 
     @property
@@ -284,3 +285,34 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             _rotate_rows(work["out"].reshape(-1, head_size), out.data.reshape(-1, head_size),
                                 rotation, inverse=True, divisor=float(rotation.norm),
                                 x_dtype=np.dtype(np.float32), out_dtype=out.dtype)
+
+
+# --- what `kvcupy check` compiles (cuda_specs.FAMILIES) --------------------
+
+def specialisations(all: bool) -> list:
+    """(entry, kernels, defines) of attention.cu. all=True: every KV dtype x head-size
+    class x query rows per warp, at 8 and 4 warps a block and 16-byte copies (the
+    aligned caches the library allocates), plus the merge and query kernels for
+    every dtype; else a sample that takes each code path once, the 4-byte and
+    byte-wise copies of strided and odd-length rows among them."""
+    from .cuda_specs import Specialisation
+    models = list(formats.MODEL_DTYPES.values())
+    found = [Specialisation("attention", ("merge_splits",), {"KVC_OUT_T": formats.CPP_TYPES[d]})
+             for d in models]
+    found += [Specialisation("attention", ("scale_query",), {"KVC_IN_T": formats.CPP_TYPES[d]})
+              for d in models]
+    kernels = []
+    if all:
+        for kv in (KV_INT4, KV_INT8, KV_FP8, KV_F16, KV_BF16):
+            for head_pad in range(HEAD_CLASS, 257, HEAD_CLASS):
+                for heads in (8, 4):
+                    for m_tiles in (1, 2):
+                        tile = 32 if kv == KV_INT4 else 16
+                        kernels.append(Kernel(kv, head_pad, heads, m_tiles, tile, 16))
+    else:
+        kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16), Kernel(KV_INT4, 96, 8, 2, 32, 4),
+                   Kernel(KV_INT4, 64, 2, 1, 32, 1), Kernel(KV_INT8, 256, 8, 1, 16, 16),
+                   Kernel(KV_FP8, 128, 4, 2, 16, 16), Kernel(KV_F16, 128, 4, 1, 16, 16),
+                   Kernel(KV_BF16, 96, 4, 1, 16, 8)]
+    found += [Specialisation("attention", ("paged_attention",), kernel.defines) for kernel in kernels]
+    return found

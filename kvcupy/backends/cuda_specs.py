@@ -43,6 +43,8 @@ def selftest_specialisations(all: bool) -> list[Specialisation]:
 # Kernel families: "module:function" (imported only when listed) or a function here.
 FAMILIES: tuple[str | Callable[[bool], list[Specialisation]], ...] = (
     selftest_specialisations,
+    "kvcupy.backends.cuda:specialisations",
+    "kvcupy.backends.cuda_attention:specialisations",
 )
 
 
