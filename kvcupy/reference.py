@@ -18,12 +18,18 @@ from .rotation import RotationPlan
 # --- rotation -------------------------------------------------------------
 
 def rotate(x: np.ndarray, plan: RotationPlan, inverse: bool = False) -> np.ndarray:
-    """y = H (s * x), or its inverse x = s * (H^T y) / norm, over the last axis, float64."""
+    """y = H (s * x), or its inverse x = s * (H^T y) / norm, over the last axis, float64.
+
+    Each block of plan.block channels is its own product, as FORMAT.md splits
+    the vector: one dense d x d product would carry a NaN of one block into the
+    others through the matrix's zeros between blocks (0 * NaN is NaN).
+    """
     x = np.asarray(x, dtype=np.float64)
-    matrix, signs = plan.matrix(), plan.sign_vector()
+    matrix, signs = plan.matrix()[:plan.block, :plan.block], plan.sign_vector()
+    blocks = x.shape[:-1] + (plan.blocks, plan.block)
     if inverse:
-        return (x @ matrix) * signs / plan.norm
-    return (x * signs) @ matrix.T
+        return (x.reshape(blocks) @ matrix).reshape(x.shape) * signs / plan.norm
+    return ((x * signs).reshape(blocks) @ matrix.T).reshape(x.shape)
 
 
 def rotate_for_cache(x: np.ndarray, plan: RotationPlan | None) -> np.ndarray:
@@ -44,32 +50,59 @@ def round_half_away(v: np.ndarray) -> np.ndarray:
     return np.trunc(v + np.copysign(np.float32(0.5), v))
 
 
+# FORMAT.md, non-finite input: a vector holding a NaN or +-inf is stored as
+# codes 0 and this quiet NaN as its scale word, so that every reader sees a NaN
+# scale and attention over it is NaN, never a finite, plausible entry. Its low
+# four bits are 0: as an int4 scale word it is zero-point 0, and still this NaN.
+NONFINITE_SCALE_BITS = 0x7FC00000
+
+
+def _split_nonfinite(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(x with its non-finite vectors zeroed, which vectors those were): the
+    quantizers below then run on finite numbers only."""
+    x = np.asarray(x, np.float32)
+    nonfinite = ~np.isfinite(x).all(axis=-1)
+    if nonfinite.any():
+        x = np.where(nonfinite[..., None], np.float32(0), x)
+    return x, nonfinite
+
+
+def _mark_nonfinite(codes: np.ndarray, scale: np.ndarray, nonfinite: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Codes 0 and scale word NONFINITE_SCALE_BITS for the non-finite vectors."""
+    if not nonfinite.any():
+        return codes, scale
+    nan_scale = np.array(NONFINITE_SCALE_BITS, np.uint32).view(np.float32)
+    codes = np.where(nonfinite[..., None], np.zeros((), codes.dtype), codes)
+    return codes, np.where(nonfinite, nan_scale, np.asarray(scale, np.float32))
+
+
 def quantize_int4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Codes 0..15 of each vector (last axis) and its encoded float32 scale."""
-    x = np.asarray(x, np.float32)
+    x, nonfinite = _split_nonfinite(x)
     lo, hi = x.min(axis=-1), x.max(axis=-1)
     scale = np.maximum((hi - lo) / np.float32(INT4_LEVELS), MIN_SCALE)
     zero_point = np.clip(round_half_away(-lo / scale), 0, INT4_LEVELS)
     inv_scale = (np.float32(1) / scale)[..., None]
     codes = np.clip(round_half_away(x * inv_scale + zero_point[..., None]), 0, INT4_LEVELS)
-    return codes.astype(np.uint8), formats.encode_int4_scale(scale, zero_point)
+    return _mark_nonfinite(codes.astype(np.uint8), formats.encode_int4_scale(scale, zero_point), nonfinite)
 
 
 def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    x = np.asarray(x, np.float32)
+    x, nonfinite = _split_nonfinite(x)
     scale = np.maximum(np.abs(x).max(axis=-1) / np.float32(INT8_MAX), MIN_SCALE)
     inv_scale = (np.float32(1) / scale)[..., None]
     codes = np.clip(round_half_away(x * inv_scale), -128, 127)
-    return codes.astype(np.int8), scale
+    return _mark_nonfinite(codes.astype(np.int8), scale, nonfinite)
 
 
 def quantize_fp8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    x = np.asarray(x, np.float32)
+    x, nonfinite = _split_nonfinite(x)
     scale = np.maximum(np.abs(x).max(axis=-1) / np.float32(FP8_MAX), MIN_SCALE)
     inv_scale = (np.float32(1) / scale)[..., None]
     # Clipping first makes the conversion saturate instead of overflowing to NaN.
     values = np.clip(x * inv_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    return values.view(np.uint8), scale
+    return _mark_nonfinite(values.view(np.uint8), scale, nonfinite)
 
 
 def pack_int4(codes: np.ndarray) -> np.ndarray:
@@ -188,7 +221,13 @@ def attend(query: np.ndarray, keys: np.ndarray, values: np.ndarray, *, softmax_s
     if sinks is not None:
         denominator = denominator + np.exp(sink - peak)   # the sink adds mass, no value
     probs = weights / denominator
-    return np.einsum("hqk,khd->qhd", probs, values, optimize=True)
+    # Each query sums over the keys it sees only: a hidden key's weight is 0,
+    # but 0 * NaN is NaN, and a NaN value it does not attend must not reach it.
+    out = np.empty((num_queries, num_heads, values.shape[-1]))
+    for i in range(num_queries):
+        seen = visible[i]
+        out[i] = np.einsum("hk,khd->hd", probs[:, i, seen], values[seen], optimize=True)
+    return out
 
 
 def paged_attention(query, cache, *, block_table, seq_lens, cu_seqlens_q=None,
