@@ -32,6 +32,9 @@ STAGES = 3               # cp.async pipeline depth
 STAGE_BYTES_TARGET = 40 * 1024   # keep a stage (K + V + scales) near this: 2 blocks a multiprocessor
 SHARED_BYTES_PER_SM = 227 * 1024
 MAX_SPLITS = 256
+# Two M tiles (16 query rows a warp) double the accumulators: above this head size
+# they spill even at 255 registers, so larger heads take more row tiles instead.
+MAX_HEAD_PAD_TWO_TILES = 128
 MIN_TILES_PER_SPLIT = 4  # a split below this many tiles costs more in merging than it gains
 
 
@@ -50,10 +53,10 @@ class Kernel:
     @property
     def blocks_per_sm(self) -> int:
         """Blocks a multiprocessor should hold: 16 warps up to head size 128 with one M
-        tile (registers capped at 128 a thread to fit them: no spills there), 8 for
-        more accumulators; fewer where shared memory is short."""
+        tile (registers capped at 128 a thread to fit them: no spills there, per
+        `kvcupy check --all`), 8 for more accumulators; fewer where shared memory is short."""
         by_shared = max(1, SHARED_BYTES_PER_SM // self.shared_bytes)
-        by_warps = max(1, (16 if self.head_pad * self.m_tiles <= 128 else 8) // self.heads)
+        by_warps = max(1, (16 if self.m_tiles == 1 and self.head_pad <= 128 else 8) // self.heads)
         return min(by_shared, by_warps)
 
     @property
@@ -105,7 +108,7 @@ def _copy_granule(cache, row_bytes: int) -> int:
 
 def _choose_kernel(cache, kv: int, rows_per_sequence: int) -> Kernel:
     head_pad = -(-cache.head_size // HEAD_CLASS) * HEAD_CLASS
-    m_tiles = 1 if rows_per_sequence <= 8 else 2
+    m_tiles = 2 if rows_per_sequence > 8 and head_pad <= MAX_HEAD_PAD_TWO_TILES else 1
     stored_row = cache.head_size * (4 if kv == KV_INT4 else 8 if kv in (KV_INT8, KV_FP8) else 16) // 8
     num_kv_heads = cache.num_kv_heads
     best = None
@@ -306,7 +309,7 @@ def specialisations(all: bool) -> list:
         for kv in (KV_INT4, KV_INT8, KV_FP8, KV_F16, KV_BF16):
             for head_pad in range(HEAD_CLASS, 257, HEAD_CLASS):
                 for heads in (8, 4):
-                    for m_tiles in (1, 2):
+                    for m_tiles in (1, 2) if head_pad <= MAX_HEAD_PAD_TWO_TILES else (1,):
                         tile = 32 if kv == KV_INT4 else 16
                         kernels.append(Kernel(kv, head_pad, heads, m_tiles, tile, 16))
     else:
