@@ -1,0 +1,236 @@
+// The Hadamard rotation of FORMAT.md in registers: a vector of d = ROWS * POW2
+// values spread over a group of lanes, transformed with float64 butterflies
+// and warp shuffles, bit for bit what cpu_kernels.rotate_rows computes.
+//
+// Exactness: the CPU transform converts each float32 input to float64,
+// applies the radix-2 Sylvester stages h = 1, 2, 4, ... (its radix-4 first
+// step performs the same additions), then for kron the mix sum_a w[r][a] *
+// row_a in the order a = 0, 1, ... starting from 0.0, then divides once and
+// rounds once to float32. Every float64 operation here is that same addition
+// of the same two operands: a + b commutes exactly, a - b is computed as
+// a + (-b) (IEEE's definition of subtraction, signed zeros included; never as
+// -(b - a), which gives -0 where a - b gives +0), and a sign is applied by
+// flipping the sign bit (exactly a multiplication by -1).
+#pragma once
+
+#include "common.cuh"
+
+namespace kvc {
+
+// Where each value lives. Lane `rank` of a group holds, for every row a, the
+// COLUMNS consecutive columns rank*COLUMNS .. +COLUMNS-1 of that row (slot
+// a*COLUMNS + s holds element a*POW2 + rank*COLUMNS + s): the "initial" layout,
+// in which inputs are loaded. Butterfly stages with h < COLUMNS are local.
+// A stage with h = COLUMNS << k pairs lane bit k with its partner lane. The
+// first kSwaps such stages exchange only half the values: the lane keeps the
+// pairs whose column bit (log2 COLUMNS - 1 - k) equals its own lane bit k, and
+// the two bits trade places. The remaining cross stages (when COLUMNS is too
+// short to give up more bits) exchange all values. Afterwards ("final"
+// layout) each lane holds runs of kRun consecutive columns, final_column says
+// where; kRun >= 2 keeps the two values of an int4 byte in one lane. With one
+// column a lane (kron with m = 20 or 28 rows: fewer registers), nothing is
+// swapped and lanes 2i, 2i+1 hold the two values of a byte. Without
+// a transform (ROTATED false) nothing moves: the final layout is the initial one.
+template <int HEAD_SIZE, int POW2, int ROWS, int COLUMNS, bool ROTATED = true>
+struct RotationLayout {
+    static constexpr int kHeadSize = HEAD_SIZE;
+    static constexpr int kPow2 = POW2;
+    static constexpr int kRows = ROWS;
+    static constexpr int kColumns = COLUMNS;
+    static constexpr int kLanes = POW2 / COLUMNS;
+    static constexpr int kValues = ROWS * COLUMNS;        // per lane
+    static constexpr int kColumnBits = log2_of(COLUMNS);
+    static constexpr int kLaneBits = log2_of(kLanes);
+    static constexpr int kSwaps =
+        !ROTATED || kColumnBits <= 1 ? 0 : kLaneBits < kColumnBits - 1 ? kLaneBits : kColumnBits - 1;
+    static constexpr int kRun = COLUMNS >> kSwaps;
+    static constexpr int kRunsPerRow = 1 << kSwaps;
+
+    static_assert(HEAD_SIZE == ROWS * POW2, "d = rows x pow2");
+    static_assert(is_pow2(POW2) && is_pow2(COLUMNS), "power-of-two transform and runs");
+    static_assert(COLUMNS <= POW2 && COLUMNS <= 32, "columns per lane <= min(pow2, 32)");
+    static_assert(kLanes <= 32, "a vector spans at most one warp");
+    static_assert(kRun >= 2 || COLUMNS == 1, "an int4 byte's two values stay in one lane, or in lanes 2i, 2i+1");
+
+    // First column (within its row) of run t (0 .. kRunsPerRow-1) of lane `rank`, final layout.
+    static __device__ __forceinline__ int final_column(int rank, int t) {
+        int column = 0;
+#pragma unroll
+        for (int k = 0; k < kLaneBits; ++k) {
+            const int lane_bit = (rank >> k) & 1;
+            if (k < kSwaps) {
+                column |= lane_bit << (kColumnBits - 1 - k);
+                column |= ((t >> (kSwaps - 1 - k)) & 1) << (kColumnBits + k);
+            } else {
+                column |= lane_bit << (kColumnBits + k);
+            }
+        }
+        return column;
+    }
+};
+
+// -x for a set bit: the sign bit flipped, as a multiplication by -1 would.
+__device__ __forceinline__ double negate_if(double x, u32 bit) {
+    return __hiloint2double(__double2hiint(x) ^ int(bit << 31), __double2loint(x));
+}
+__device__ __forceinline__ float negate_if(float x, u32 bit) {
+    return __uint_as_float(__float_as_uint(x) ^ (bit << 31));
+}
+
+// The words the host uploads per rotation plan (cuda.py, rotation_words):
+// sign bits (bit i set: s[i] = -1), then the kron mix as one word per row
+// (bit a of word r set: M[r][a] = -1), forward and transposed.
+constexpr int kSignWords = 8;                     // 256 bits
+constexpr int kMixWords = 32;                     // rows <= 28
+constexpr int kForwardMix = kSignWords;
+constexpr int kInverseMix = kSignWords + kMixWords;
+
+// `count` consecutive sign bits starting at bit `first` (a multiple of count <= 32).
+__device__ __forceinline__ u32 sign_bits(const u32* __restrict__ words, int first, int count) {
+    const u32 word = __ldg(words + (first >> 5)) >> (first & 31);
+    return count >= 32 ? word : word & ((1u << count) - 1u);
+}
+
+// Butterflies of every row, h = 1 .. POW2/2; values in the initial layout on
+// entry, in the final layout on return.
+template <class Layout, class Group>
+__device__ __forceinline__ void hadamard_rows(double (&v)[Layout::kValues], const Group& group) {
+    constexpr int C = Layout::kColumns;
+#pragma unroll
+    for (int h = 1; h < C; h *= 2) {
+#pragma unroll
+        for (int a = 0; a < Layout::kRows; ++a) {
+#pragma unroll
+            for (int s = 0; s < C; ++s) {
+                if (s & h) continue;
+                const double x = v[a * C + s], y = v[a * C + s + h];
+                v[a * C + s] = __dadd_rn(x, y);
+                v[a * C + s + h] = __dsub_rn(x, y);
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < Layout::kSwaps; ++k) {
+        const int b = 1 << (Layout::kColumnBits - 1 - k);   // the column bit traded for lane bit k
+        const u32 upper = (group.rank >> k) & 1;
+#pragma unroll
+        for (int a = 0; a < Layout::kRows; ++a) {
+#pragma unroll
+            for (int s = 0; s < C; ++s) {
+                if (s & b) continue;
+                // The lower lane keeps slot s and sends slot s|b; the upper the reverse.
+                const double lo = v[a * C + s], hi = v[a * C + (s | b)];
+                const double sent = upper ? lo : hi;
+                const double own = upper ? hi : lo;
+                const double received = group.exchange(sent, 1 << k);
+                // Lower: own + received, own - received. Upper: received + own,
+                // received - own. IEEE defines x - y as x + (-y); -(own - received)
+                // would differ from received - own in the sign of an exact zero.
+                v[a * C + s] = __dadd_rn(own, received);
+                v[a * C + (s | b)] = __dadd_rn(negate_if(own, upper), negate_if(received, upper ^ 1u));
+            }
+        }
+    }
+#pragma unroll
+    for (int k = Layout::kSwaps; k < Layout::kLaneBits; ++k) {
+        const u32 upper = (group.rank >> k) & 1;
+#pragma unroll
+        for (int i = 0; i < Layout::kValues; ++i) {
+            const double received = group.exchange(v[i], 1 << k);
+            // Lower: v + received. Upper: received - v = (-v) + received.
+            v[i] = __dadd_rn(negate_if(v[i], upper), received);
+        }
+    }
+}
+
+// The kron mix: row r becomes sum_a M[r][a] * row_a, summed a = 0, 1, ... from
+// 0.0 (the CPU's order). mix_words: one sign word per row (forward or
+// transposed). Every lane holds all rows of its columns, so this is local.
+template <class Layout>
+__device__ __forceinline__ void mix_rows(double (&v)[Layout::kValues], const u32* __restrict__ mix_words) {
+    constexpr int C = Layout::kColumns;
+    u32 negative[Layout::kRows];
+#pragma unroll
+    for (int r = 0; r < Layout::kRows; ++r) negative[r] = __ldg(mix_words + r);
+    // One column at a time: kRows temporaries rather than a second copy of all values.
+#pragma unroll
+    for (int s = 0; s < C; ++s) {
+        // Opaque per column: otherwise the compiler extracts all kRows^2 sign bits
+        // once and keeps them live (across the K and V transforms too), which
+        // costs hundreds of registers for m = 20, 28.
+#pragma unroll
+        for (int r = 0; r < Layout::kRows; ++r) asm volatile("" : "+r"(negative[r]));
+        double mixed[Layout::kRows];
+#pragma unroll
+        for (int r = 0; r < Layout::kRows; ++r) {
+            double sum = 0.0;
+#pragma unroll
+            for (int a = 0; a < Layout::kRows; ++a)
+                sum = __dadd_rn(sum, negate_if(v[a * C + s], (negative[r] >> a) & 1u));
+            mixed[r] = sum;
+        }
+#pragma unroll
+        for (int r = 0; r < Layout::kRows; ++r) v[r * C + s] = mixed[r];
+    }
+}
+
+// Sign bits of the lane's values in the initial layout (forward) or the
+// final layout (inverse), one bit per slot, slot order.
+template <class Layout>
+__device__ __forceinline__ void initial_signs(const u32* __restrict__ words, int rank, u32 (&bits)[Layout::kRows]) {
+#pragma unroll
+    for (int a = 0; a < Layout::kRows; ++a)
+        bits[a] = sign_bits(words, a * Layout::kPow2 + rank * Layout::kColumns, Layout::kColumns);
+}
+
+template <class Layout>
+__device__ __forceinline__ void final_signs(const u32* __restrict__ words, int rank, u32 (&bits)[Layout::kRows]) {
+#pragma unroll
+    for (int a = 0; a < Layout::kRows; ++a) {
+        u32 row = 0;
+#pragma unroll
+        for (int t = 0; t < Layout::kRunsPerRow; ++t)
+            row |= sign_bits(words, a * Layout::kPow2 + Layout::final_column(rank, t), Layout::kRun)
+                   << (t * Layout::kRun);
+        bits[a] = row;
+    }
+}
+
+// float -> double. Hardware conversions run at a quarter of the float64 add
+// rate on sm_90, and the write path converts every value twice; moving the
+// bits is exact for zero and normal numbers and leaves that pipe to the adds.
+// Subnormal, infinite and NaN inputs take the hardware conversion.
+__device__ __forceinline__ bool widens_by_bits(float x) {
+    const u32 magnitude = __float_as_uint(x) & 0x7fffffffu;
+    return magnitude == 0 || magnitude - 0x00800000u < 0x7f000000u;
+}
+__device__ __forceinline__ double widen_bits(float x) {
+    const u32 f = __float_as_uint(x);
+    const u32 magnitude = f & 0x7fffffffu;
+    const u32 high = magnitude ? (magnitude >> 3) + 0x38000000u : 0u;   // rebias 127 -> 1023
+    return __hiloint2double(int(high | (f & 0x80000000u)), int(f << 29));
+}
+
+// x (the lane's values, initial layout, float32) -> double, with the signs
+// `bits` applied (forward rotation) or not (bits all zero).
+template <class Layout>
+__device__ __forceinline__ void widen(const float (&x)[Layout::kValues], const u32 (&bits)[Layout::kRows],
+                                      double (&v)[Layout::kValues]) {
+    constexpr int C = Layout::kColumns;
+#if KVC_WIDEN_BY_BITS
+    bool exact = true;
+#pragma unroll
+    for (int i = 0; i < Layout::kValues; ++i) exact &= widens_by_bits(x[i]);
+    if (exact) {
+#pragma unroll
+        for (int i = 0; i < Layout::kValues; ++i)
+            v[i] = widen_bits(negate_if(x[i], (bits[i / C] >> (i % C)) & 1u));
+        return;
+    }
+#endif
+#pragma unroll
+    for (int i = 0; i < Layout::kValues; ++i)
+        v[i] = double(negate_if(x[i], (bits[i / C] >> (i % C)) & 1u));
+}
+
+}  // namespace kvc

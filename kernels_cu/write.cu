@@ -1,0 +1,246 @@
+// reshape_and_cache: rotate, quantize, pack and scatter K and V of every
+// (token, KV head) in one launch, with no rotated copy in global memory.
+//
+// Specialised by (cuda.py, write_defines):
+//   KVC_HEAD_SIZE, KVC_POW2, KVC_ROWS, KVC_COLUMNS  the vector's layout (RotationLayout)
+//   KVC_ROTATE (0/1), KVC_KRON (0/1)                 the transform
+//   KVC_ROUND_TO_INPUT (0/1)                         the vllm preset's rounding
+//   KVC_INPUT_T                                      key/value dtype (formats.CPP_TYPES)
+//   KVC_KV_DTYPE, KVC_CACHE_T                        the cache (formats.KVDtype.kernel_defines)
+//   KVC_WIDEN_BY_BITS, KVC_THREADS, KVC_MIN_BLOCKS   tuning (cuda.py says what was measured)
+#include "common.cuh"
+#include "rotation.cuh"
+#include "quantize.cuh"
+
+namespace {
+
+using namespace kvc;
+using Input = KVC_INPUT_T;
+using CacheT = KVC_CACHE_T;
+using Layout = RotationLayout<KVC_HEAD_SIZE, KVC_POW2, KVC_ROWS, KVC_COLUMNS, KVC_ROTATE != 0>;
+using Group = LaneGroup<Layout::kLanes>;
+
+#ifndef KVC_THREADS
+#define KVC_THREADS 128
+#endif
+constexpr int kThreads = KVC_THREADS;
+constexpr int kGroupsPerBlock = kThreads / Layout::kLanes;
+constexpr int kInputSize = sizeof(typename Scalar<Input>::Bits);
+constexpr int kInputRunBytes = Layout::kColumns * kInputSize;
+static_assert(kThreads % Layout::kLanes == 0 && kGroupsPerBlock % 2 == 0, "whole groups, K and V alike");
+// The next vector's loads go out before the current one is transformed,
+// unless a lane holds so many values that the second buffer would spill.
+constexpr bool kPrefetch = Layout::kValues <= 32;
+
+// One vector's cache row (stored element 0) and scale word, or nothing for padding.
+struct Destination {
+    CacheT* row;
+    float* scale;
+};
+
+// The lane's input runs (initial layout): row a's columns rank*C .. +C-1.
+__device__ __forceinline__ void load_vector(const Input* __restrict__ vector, int rank, int align,
+                                            Words<kInputRunBytes> (&runs)[Layout::kRows]) {
+#pragma unroll
+    for (int a = 0; a < Layout::kRows; ++a) {
+        const i64 first = i64(a) * Layout::kPow2 + i64(rank) * Layout::kColumns;
+        load_run(vector + first, runs[a], alignment_at(align, first * kInputSize));
+    }
+}
+
+// The values that get quantized (or stored, for auto), in the final layout.
+__device__ __forceinline__ void transformed(const Words<kInputRunBytes> (&runs)[Layout::kRows],
+                                            const Group& group, const u32* __restrict__ rotation,
+                                            float (&y)[Layout::kValues]) {
+    constexpr int C = Layout::kColumns;
+    float x[Layout::kValues];
+#pragma unroll
+    for (int i = 0; i < Layout::kValues; ++i)
+        x[i] = Scalar<Input>::to_float(element_bits<kInputSize>(runs[i / C], i % C));
+#if KVC_ROTATE
+    u32 signs[Layout::kRows];
+    initial_signs<Layout>(rotation, group.rank, signs);
+    double v[Layout::kValues];
+    widen<Layout>(x, signs, v);
+    hadamard_rows<Layout>(v, group);
+#if KVC_KRON
+    mix_rows<Layout>(v, rotation + kForwardMix);
+#endif
+#pragma unroll
+    for (int i = 0; i < Layout::kValues; ++i) y[i] = __double2float_rn(v[i]);
+#if KVC_ROUND_TO_INPUT
+    // The vllm preset: vLLM's transform returns the input dtype (rotation.round_for_cache).
+    Words<Layout::kValues * kInputSize> rounded;
+    to_run<Input, Layout::kValues>(y, rounded);
+#pragma unroll
+    for (int i = 0; i < Layout::kValues; ++i) y[i] = Scalar<Input>::to_float(element_bits<kInputSize>(rounded, i));
+#endif
+#else
+#pragma unroll
+    for (int i = 0; i < Layout::kValues; ++i) y[i] = x[i];
+#endif
+}
+
+// Quantize (or convert) the final-layout values y and store the lane's runs and, on rank 0, the scale.
+template <int KV_DTYPE, class Cache = CacheT>   // dependent names: if constexpr drops the other branches
+__device__ __forceinline__ void store_vector(const float (&y)[Layout::kValues], const Group& group,
+                                             const Destination& to, int align) {
+    constexpr int R = Layout::kRun;
+    constexpr int C = Layout::kColumns;
+    if constexpr (KV_DTYPE == kAuto) {
+        constexpr int kSize = sizeof(Cache);
+#pragma unroll
+        for (int a = 0; a < Layout::kRows; ++a) {
+#pragma unroll
+            for (int t = 0; t < Layout::kRunsPerRow; ++t) {
+                Words<R * kSize> run;
+                to_run<Cache, R>(y + a * C + t * R, run);
+                const i64 first = i64(a) * Layout::kPow2 + Layout::final_column(group.rank, t);
+                store_run(to.row + first, run, alignment_at(align, first * kSize));
+            }
+        }
+    } else {
+        const Quantizer<KV_DTYPE> quantizer(y, group);
+        u8* row = reinterpret_cast<u8*>(to.row);
+        if constexpr (KV_DTYPE == kInt4 && R == 1) {
+            // One column a lane: lane 2i stores the byte of columns 2i (low nibble) and 2i+1.
+#pragma unroll
+            for (int a = 0; a < Layout::kRows; ++a) {
+                const u32 code = quantizer.code(y[a]);
+                const u32 odd = group.exchange(code, 1);
+                if ((group.rank & 1) == 0) row[(a * Layout::kPow2 + group.rank) / 2] = u8(code | (odd << 4));
+            }
+        } else {
+            constexpr int kPerByte = KV_DTYPE == kInt4 ? 2 : 1;
+#pragma unroll
+            for (int a = 0; a < Layout::kRows; ++a) {
+#pragma unroll
+                for (int t = 0; t < Layout::kRunsPerRow; ++t) {
+                    Words<R / kPerByte> run;
+#pragma unroll
+                    for (int r = 0; r < R; r += kPerByte) {
+                        u32 byte = quantizer.code(y[a * C + t * R + r]);
+                        if constexpr (kPerByte == 2)   // even value in the low nibble
+                            byte |= quantizer.code(y[a * C + t * R + r + 1]) << 4;
+                        set_element_bits<1>(run, r / kPerByte, byte);
+                    }
+                    const i64 first = (i64(a) * Layout::kPow2 + Layout::final_column(group.rank, t)) / kPerByte;
+                    store_run(row + first, run, alignment_at(align, first));
+                }
+            }
+        }
+        if (group.rank == 0) *reinterpret_cast<u32*>(to.scale) = quantizer.scale_word;
+    }
+}
+
+// One tensor of the launch (K or V): where its vectors come from and go.
+// The grid's stride is even, so a group always serves the same tensor
+// (item = 2 * (token * heads + head) + t), and this is set up once.
+struct Stream {
+    const Input* input;
+    i64 token_stride, head_stride;
+    CacheT* cache;
+    i64 cache_block, cache_slot, cache_head;
+    float* scales;
+    i64 scale_block, scale_slot, scale_head;
+};
+
+struct Common {
+    const void* slot_mapping;
+    int slot_is_int64;
+    i64 slot_stride;
+    int num_heads;
+    int block_size;
+    i64 num_slots;
+    const u32* rotation;
+    int input_align, cache_align;
+};
+
+// What one vector needs from memory before its transform: its input runs and
+// its slot, loaded together (neither waits for the other).
+struct Fetched {
+    Words<kInputRunBytes> runs[Layout::kRows];
+    i64 slot;
+};
+
+__device__ __forceinline__ void fetch(const Common& c, const Stream& s, i64 pair, int rank, Fetched& f) {
+    const i64 token = pair / c.num_heads;
+    const int head = int(pair - token * c.num_heads);
+    f.slot = c.slot_is_int64 ? static_cast<const i64*>(c.slot_mapping)[token * c.slot_stride]
+                             : i64(static_cast<const int*>(c.slot_mapping)[token * c.slot_stride]);
+    load_vector(s.input + token * s.token_stride + head * s.head_stride, rank, c.input_align, f.runs);
+}
+
+__device__ __forceinline__ void write_vector(const Common& c, const Stream& s, i64 pair, const Group& group,
+                                             const Fetched& f) {
+    // Padding (< 0) and ids outside the cache write nothing: no id, however
+    // wrong, touches memory outside the cache (batch.py's policy).
+    if (f.slot < 0 || f.slot >= c.num_slots) return;
+    const i64 token = pair / c.num_heads;
+    const int head = int(pair - token * c.num_heads);
+    const i64 block = f.slot / c.block_size, offset = f.slot - block * c.block_size;
+    float y[Layout::kValues];
+    transformed(f.runs, group, c.rotation, y);
+    store_vector<KVC_KV_DTYPE>(y, group,
+                               {s.cache + block * s.cache_block + offset * s.cache_slot + head * s.cache_head,
+                                s.scales + block * s.scale_block + offset * s.scale_slot + head * s.scale_head},
+                               c.cache_align);
+}
+
+}  // namespace
+
+#ifndef KVC_MIN_BLOCKS
+#define KVC_MIN_BLOCKS 1
+#endif
+// The tuned register cap (KVC_MIN_BLOCKS blocks per SM) is for the short
+// blockdiag lanes it was measured on; longer lanes and the kron mix would spill.
+constexpr int kMinBlocks = Layout::kValues <= 32 && !KVC_KRON ? KVC_MIN_BLOCKS : 1;
+
+// key/value [T, Hk, d] with element strides (token, head); slot_mapping [T]
+// (int32 or int64, element stride); caches with element strides (block, slot,
+// head) for K, V and both scale tensors; rotation: cuda.py's rotation words.
+// *_align: the alignment in bytes of every vector's row start (host-proved).
+//
+// A persistent grid: each group of lanes walks the vectors (K and V of every
+// token and head) with the grid's stride and loads the next vector's input
+// before transforming the current one, so that memory latency hides behind
+// the float64 work (one vector per group, then exit, left every load
+// exposed: ~12 warps per SM compute for longer than a load takes).
+extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocks) reshape_and_cache(
+    const Input* __restrict__ key, const Input* __restrict__ value,
+    i64 key_token_stride, i64 key_head_stride, i64 value_token_stride, i64 value_head_stride,
+    const void* __restrict__ slot_mapping, int slot_is_int64, i64 slot_stride,
+    int num_tokens, int num_heads,
+    CacheT* __restrict__ key_cache, CacheT* __restrict__ value_cache,
+    float* __restrict__ k_scale_cache, float* __restrict__ v_scale_cache,
+    i64 kc_block, i64 kc_slot, i64 kc_head, i64 vc_block, i64 vc_slot, i64 vc_head,
+    i64 ks_block, i64 ks_slot, i64 ks_head, i64 vs_block, i64 vs_slot, i64 vs_head,
+    int block_size, i64 num_slots,
+    const u32* __restrict__ rotation, int input_align, int cache_align) {
+    const Group group;
+    const i64 first = i64(blockIdx.x) * kGroupsPerBlock + threadIdx.x / Layout::kLanes;
+    const bool is_value = first & 1;
+    const Stream s = is_value
+        ? Stream{value, value_token_stride, value_head_stride, value_cache, vc_block, vc_slot, vc_head,
+                 v_scale_cache, vs_block, vs_slot, vs_head}
+        : Stream{key, key_token_stride, key_head_stride, key_cache, kc_block, kc_slot, kc_head,
+                 k_scale_cache, ks_block, ks_slot, ks_head};
+    const Common c{slot_mapping, slot_is_int64, slot_stride, num_heads, block_size, num_slots, rotation,
+                   input_align, cache_align};
+    const i64 pairs = i64(num_tokens) * num_heads;
+    const i64 stride = i64(gridDim.x) * kGroupsPerBlock / 2;   // in pairs: kGroupsPerBlock is even
+    i64 pair = first >> 1;
+    if (pair >= pairs) return;
+    Fetched current, next;
+    fetch(c, s, pair, group.rank, current);
+    for (;;) {
+        const i64 following = pair + stride;
+        const bool more = following < pairs;   // the same for the whole group
+        if (kPrefetch && more) fetch(c, s, following, group.rank, next);
+        write_vector(c, s, pair, group, current);
+        if (!more) break;
+        if (kPrefetch) current = next;
+        else fetch(c, s, following, group.rank, current);
+        pair = following;
+    }
+}

@@ -1,0 +1,530 @@
+"""CUDA backend: CuPy launchers for the kernels in kernels_cu/ (compiled by jit.py).
+
+Implements the protocol of `kvcupy.backends`. Arguments arrive validated
+(ops.py) as interop.Arrays of CuPy data: bfloat16 as uint16 bits and fp8 as
+uint8 bits, the logical dtype beside them. This module only plans and
+launches: it picks a kernel specialisation (compile-time -D constants, named
+from formats.CPP_TYPES), proves alignments, and passes pointers, element
+strides and explicitly typed scalars. Every launch runs on CuPy's current
+stream on the device the arrays live on, and nothing here waits for the
+device: index arrays already on the device are never read back (the kernels
+guard every id instead).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from .. import backends, formats, jit
+from ..formats import CPP_TYPES, FP8_DTYPE
+from ..interop import BFLOAT16
+from ..rotation import RotationPlan, largest_pow2_divisor
+
+name = "cuda"
+device_kind = "cuda"
+_this = sys.modules[__name__]   # what batch.py's uploads key on (backend.name, backend.upload)
+
+# The kernels use sm_80 instructions (cvt.rn.bf16.f32, min.NaN.f32).
+MIN_COMPUTE_CAPABILITY = 80
+
+
+# --- availability ---------------------------------------------------------
+
+def _version(number: int) -> str:
+    """CUDA's 12040 -> "12.4"."""
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+@functools.lru_cache(maxsize=1)
+def availability() -> tuple[bool, str]:
+    """(usable, what runs it or why not). Asked on every call's dispatch: computed once."""
+    gaps = backends._machine_gaps(device_kind)
+    if gaps:
+        return False, "; ".join(gaps)
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:   # no driver, or a driver older than CuPy's runtime
+        return False, f"no usable CUDA device ({type(error).__name__}: {error})"
+    if count == 0:
+        return False, "no CUDA device"
+    try:
+        properties = cupy.cuda.runtime.getDeviceProperties(0)
+        gpu = properties["name"].decode() if isinstance(properties["name"], bytes) else str(properties["name"])
+        capability = properties["major"] * 10 + properties["minor"]
+        driver = _version(cupy.cuda.runtime.driverGetVersion())
+        runtime = _version(cupy.cuda.runtime.runtimeGetVersion())
+    except Exception as error:
+        return False, f"the CUDA device cannot be queried ({type(error).__name__}: {error})"
+    try:
+        nvrtc = ".".join(str(n) for n in jit.nvrtc_version())
+    except Exception as error:
+        return False, f"{gpu}: NVRTC is not usable ({type(error).__name__}: {error})"
+    if capability < MIN_COMPUTE_CAPABILITY:
+        return False, f"{gpu} is sm_{capability}; kvcupy's CUDA kernels need sm_{MIN_COMPUTE_CAPABILITY} or newer"
+    devices = f"{count} x {gpu}" if count > 1 else gpu
+    return True, (f"{devices} (sm_{capability}), CUDA driver {driver}, runtime {runtime}, "
+                  f"NVRTC {nvrtc}, CuPy {cupy.__version__}")
+
+
+# --- arrays ---------------------------------------------------------------
+
+def _storage(dtype) -> np.dtype:
+    """CuPy has no bfloat16 or float8: they are stored as their bits."""
+    dtype = np.dtype(dtype)
+    if dtype == BFLOAT16:
+        return np.dtype(np.uint16)
+    if dtype == FP8_DTYPE:
+        return np.dtype(np.uint8)
+    return dtype
+
+
+def import_dlpack(x) -> cupy.ndarray:
+    return cupy.from_dlpack(x)
+
+
+def dlpack_stream(device) -> int:
+    """CuPy's current stream on `device`, as DLPack names it: 1 for the legacy default
+    stream (whose handle is 0, which DLPack reserves), else the cudaStream_t (2 is the
+    per-thread default stream in both conventions)."""
+    with cupy.cuda.Device(device.index):
+        handle = cupy.cuda.get_current_stream().ptr
+    return handle or 1
+
+
+def zeros(shape: tuple, dtype, device) -> cupy.ndarray:
+    with cupy.cuda.Device(device.index):
+        return cupy.zeros(shape, _storage(dtype))
+
+
+def empty(shape: tuple, dtype, device) -> cupy.ndarray:
+    with cupy.cuda.Device(device.index):
+        return cupy.empty(shape, _storage(dtype))
+
+
+def upload(array: np.ndarray, device) -> cupy.ndarray:
+    with cupy.cuda.Device(device.index):
+        return cupy.asarray(array)
+
+
+# --- shared launch helpers ------------------------------------------------
+
+def _alignment(*byte_values: int, cap: int = 16) -> int:
+    """The largest power of two (<= cap) dividing every value: pointers, byte strides, sizes."""
+    alignment = cap
+    for value in byte_values:
+        value = abs(int(value))
+        if value:
+            alignment = min(alignment, value & -value)
+    return alignment
+
+
+def _element_strides(array: cupy.ndarray, axes: int) -> list[np.int64]:
+    return [np.int64(array.strides[axis] // array.itemsize) for axis in range(axes)]
+
+
+def _contiguous_rows(array: cupy.ndarray) -> cupy.ndarray:
+    """The array with a contiguous last axis (a copy only if it has none)."""
+    if array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
+        return cupy.ascontiguousarray(array)
+    return array
+
+
+def _logical_dtype(array: cupy.ndarray, given) -> np.dtype:
+    """The model dtype of a CuPy array: `given`, else its dtype, uint16 read as bfloat16 bits."""
+    if given is not None:
+        return np.dtype(given)
+    return BFLOAT16 if array.dtype == np.uint16 else np.dtype(array.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _function(device_index: int, entry: str, function: str, defines: tuple):
+    with cupy.cuda.Device(device_index):
+        return jit.get_function(entry, function, dict(defines))
+
+
+@functools.lru_cache(maxsize=None)
+def _resident_blocks(device_index: int, kernel, threads: int) -> int | None:
+    """Blocks of `threads` of `kernel` that run at once on the whole device: the
+    grid of a persistent kernel (write.cu, rotate.cu walk their items by its
+    stride). None when the driver cannot say: any grid is correct, a full one
+    (one item per group) only gives up the prefetching."""
+    function = getattr(kernel, "kernel", kernel)   # a cupy.RawKernel wraps the driver function
+    try:
+        with cupy.cuda.Device(device_index):
+            processors = cupy.cuda.Device(device_index).attributes["MultiProcessorCount"]
+            per_processor = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, threads, 0)
+    except Exception:
+        return None
+    return max(1, processors * per_processor)
+
+
+def _persistent_grid(device_index: int, kernel, threads: int, items: int, items_per_block: int) -> int:
+    blocks = -(-items // items_per_block)
+    resident = _resident_blocks(device_index, kernel, threads)
+    return max(1, blocks if resident is None else min(blocks, resident))
+
+
+# --- rotation plans on the device -----------------------------------------
+
+SIGN_WORDS, MIX_WORDS = 8, 32   # rotation.cuh: kSignWords, kMixWords
+
+
+def rotation_words(plan: RotationPlan | None) -> np.ndarray:
+    """uint32 words rotation.cuh reads: the sign bits (bit i set: s[i] = -1), then the
+    kron mix one word per row (bit a of word r: M[r][a] = -1), forward, then transposed."""
+    words = np.zeros(SIGN_WORDS + 2 * MIX_WORDS, np.uint32)
+    if plan is None or plan.is_identity:
+        return words
+    negative = np.zeros(32 * SIGN_WORDS, np.uint8)
+    negative[:plan.head_size] = np.asarray(plan.signs) < 0
+    words[:SIGN_WORDS] = np.packbits(negative, bitorder="little").view("<u4")
+    if plan.kind == "kron":
+        mix = plan.mix_matrix() < 0
+        weights = np.uint32(1) << np.arange(plan.mix_size, dtype=np.uint32)
+        words[SIGN_WORDS:SIGN_WORDS + plan.mix_size] = (mix * weights).sum(axis=1, dtype=np.uint32)
+        words[SIGN_WORDS + MIX_WORDS:SIGN_WORDS + MIX_WORDS + plan.mix_size] = (mix.T * weights).sum(
+            axis=1, dtype=np.uint32)
+    return words
+
+
+_device_rotations: dict = {}
+
+
+def _rotation_on(plan: RotationPlan | None, device_index: int) -> cupy.ndarray:
+    """A plan's words on one device, uploaded once per (plan, device)."""
+    key = (plan, device_index)
+    found = _device_rotations.get(key)
+    if found is None:
+        with cupy.cuda.Device(device_index):
+            found = _device_rotations.setdefault(key, cupy.asarray(rotation_words(plan)))
+    return found
+
+
+# --- vector layout --------------------------------------------------------
+
+# Tuning knobs, each a -D constant (so part of a specialisation's key): the
+# values one lane holds (rotation.cuh, RotationLayout: more means fewer
+# shuffle stages but more registers), float32 -> float64 by moving bits
+# instead of the hardware conversion, the write kernel's block size, and the
+# kernels' __launch_bounds__ minimum blocks per SM. Measured on an H200 with
+# the one-item-per-group kernels: 16 values a lane beat 32 on the write path
+# (977 vs 838 GB/s; 110 registers, 4 blocks of 128 threads per SM), 32 beat
+# 16 for rotate (2345 vs 2192 GB/s at d = 128), and moving bits lost 7-14%
+# on the write path. With the persistent, prefetching kernels these defaults
+# give the write kernel 122 registers (4 blocks per SM, no spills) and rotate
+# 139 at d = 128 (3 blocks); they are yet to be measured there.
+WRITE_LANE_VALUES = 16
+ROTATE_LANE_VALUES = 32
+WIDEN_BY_BITS = False
+WRITE_THREADS = 128
+WRITE_MIN_BLOCKS = 4
+ROTATE_MIN_BLOCKS = 1
+
+
+@dataclass(frozen=True)
+class VectorLayout:
+    head_size: int
+    pow2: int        # POW2: the Sylvester factor (for no rotation: only a layout)
+    rows: int        # ROWS = head_size / pow2
+    columns: int     # COLUMNS: consecutive columns of each row a lane holds
+    rotated: bool
+    kron: bool
+
+    @property
+    def lanes(self) -> int:
+        return self.pow2 // self.columns
+
+    @property
+    def values(self) -> int:
+        return self.rows * self.columns
+
+    def defines(self, widen_by_bits: bool) -> dict:
+        return {"KVC_HEAD_SIZE": self.head_size, "KVC_POW2": self.pow2, "KVC_ROWS": self.rows,
+                "KVC_COLUMNS": self.columns, "KVC_ROTATE": int(self.rotated), "KVC_KRON": int(self.kron),
+                "KVC_WIDEN_BY_BITS": int(widen_by_bits and self.rotated)}
+
+
+@functools.lru_cache(maxsize=None)
+def vector_layout(head_size: int, plan: RotationPlan | None, lane_values: int = ROTATE_LANE_VALUES) -> VectorLayout:
+    """How a group of lanes holds one vector of `head_size` values under `plan`."""
+    if plan is None or plan.is_identity:
+        pow2 = largest_pow2_divisor(head_size)
+        rows, rotated, kron = head_size // pow2, False, False
+    else:
+        pow2, rows, rotated, kron = plan.pow2_size, plan.mix_size, True, plan.kind == "kron"
+    columns = min(pow2, 32)
+    while columns > 1 and rows * columns > lane_values and pow2 // (columns // 2) <= 32:
+        columns //= 2
+    if columns == 1 and rows * 2 <= lane_values:
+        columns = 2   # keep an int4 byte's two values in one lane where the registers allow
+    return VectorLayout(head_size, pow2, rows, columns, rotated, kron)
+
+
+# --- write path -----------------------------------------------------------
+
+def _cache_model_dtype(cache) -> np.dtype:
+    """The dtype an auto cache stores (CuPy holds bfloat16 as uint16 bits)."""
+    return BFLOAT16 if cache.storage_dtype == np.uint16 else np.dtype(cache.storage_dtype)
+
+
+def write_defines(head_size: int, kv_dtype: str, cache_dtype: np.dtype, input_dtype: np.dtype,
+                  plan: RotationPlan | None) -> tuple:
+    """The write kernel's specialisation under the current tuning: sorted (define,
+    value) pairs. cache_dtype: the model dtype an auto cache stores (ignored for
+    quantized caches)."""
+    return _write_defines(head_size, kv_dtype, np.dtype(cache_dtype), np.dtype(input_dtype), plan,
+                          WRITE_LANE_VALUES, WIDEN_BY_BITS, WRITE_MIN_BLOCKS, WRITE_THREADS)
+
+
+@functools.lru_cache(maxsize=None)
+def _write_defines(head_size: int, kv_dtype: str, cache_dtype: np.dtype, input_dtype: np.dtype,
+                   plan: RotationPlan | None, lane_values: int, widen_by_bits: bool, min_blocks: int,
+                   threads: int) -> tuple:
+    layout = vector_layout(head_size, plan, lane_values)
+    info = formats.kv_dtype_info(kv_dtype)
+    input_dtype = np.dtype(input_dtype)
+    defines = {**layout.defines(widen_by_bits),
+               **info.kernel_defines(np.dtype(cache_dtype) if not info.quantized else input_dtype),
+               "KVC_INPUT_T": CPP_TYPES[input_dtype],
+               "KVC_ROUND_TO_INPUT": int(layout.rotated and plan.rounds_to_input_dtype
+                                         and input_dtype != np.float32),
+               "KVC_MIN_BLOCKS": min_blocks, "KVC_THREADS": threads}
+    return tuple(sorted(defines.items()))
+
+
+def reshape_and_cache(key, value, cache, slots) -> None:
+    """Write key/value (interop.Arrays [T, Hk, d]) at slots (a SlotMapping), one launch."""
+    num_tokens, num_heads, head_size = key.shape
+    if num_tokens == 0:
+        return
+    device = cache.device
+    with cupy.cuda.Device(device.index):
+        slot_ids = slots.on(_this, device)
+        keys, values = _contiguous_rows(key.data), _contiguous_rows(value.data)
+        defines = write_defines(head_size, cache.kv_dtype, _cache_model_dtype(cache), key.dtype, cache.rotation)
+        layout = vector_layout(head_size, cache.rotation, WRITE_LANE_VALUES)
+        kernel = _function(device.index, "write", "reshape_and_cache", defines)
+
+        key_cache, value_cache = cache.key_cache, cache.value_cache
+        k_scales, v_scales = cache.k_scale_cache, cache.v_scale_cache
+        quantized = k_scales is not None
+        scale_args = ([k_scales, v_scales, *_element_strides(k_scales, 3), *_element_strides(v_scales, 3)]
+                      if quantized else [np.uint64(0), np.uint64(0), *[np.int64(0)] * 6])
+        input_align = _alignment(keys.data.ptr, values.data.ptr, *keys.strides[:2], *values.strides[:2])
+        cache_align = _alignment(key_cache.data.ptr, value_cache.data.ptr, *key_cache.strides[:3],
+                                 *value_cache.strides[:3])
+        threads = dict(defines)["KVC_THREADS"]
+        grid = _persistent_grid(device.index, kernel, threads, 2 * num_tokens * num_heads, threads // layout.lanes)
+        args = (keys, values, *_element_strides(keys, 2), *_element_strides(values, 2),
+                slot_ids, np.int32(slot_ids.dtype == np.int64), np.int64(slot_ids.strides[0] // slot_ids.itemsize),
+                np.int32(num_tokens), np.int32(num_heads),
+                key_cache, value_cache, scale_args[0], scale_args[1],
+                *_element_strides(key_cache, 3), *_element_strides(value_cache, 3), *scale_args[2:],
+                np.int32(cache.block_size), np.int64(cache.num_slots),
+                _rotation_on(cache.rotation, device.index), np.int32(input_align), np.int32(cache_align))
+        kernel((grid,), (threads,), args)
+
+
+# --- rotation -------------------------------------------------------------
+
+def rotate_defines(head_size: int, plan: RotationPlan | None, input_dtype: np.dtype, output_dtype: np.dtype,
+                   orders: bool) -> tuple:
+    """The rotate kernel's specialisation under the current tuning."""
+    return _rotate_defines(head_size, plan, np.dtype(input_dtype), np.dtype(output_dtype), bool(orders),
+                           ROTATE_LANE_VALUES, WIDEN_BY_BITS, ROTATE_MIN_BLOCKS)
+
+
+@functools.lru_cache(maxsize=None)
+def _rotate_defines(head_size: int, plan: RotationPlan | None, input_dtype: np.dtype, output_dtype: np.dtype,
+                    orders: bool, lane_values: int, widen_by_bits: bool, min_blocks: int) -> tuple:
+    layout = vector_layout(head_size, plan, lane_values)
+    defines = {**layout.defines(widen_by_bits), "KVC_INPUT_T": CPP_TYPES[np.dtype(input_dtype)],
+               "KVC_OUTPUT_T": CPP_TYPES[np.dtype(output_dtype)], "KVC_ORDERS": int(orders),
+               "KVC_MIN_BLOCKS": min_blocks}
+    return tuple(sorted(defines.items()))
+
+
+def rotate_threads(layout: VectorLayout) -> int:
+    """rotate.cu: kThreads."""
+    return 32 if layout.values > 64 else 128
+
+
+def rotate_rows(x: cupy.ndarray, out: cupy.ndarray, plan: RotationPlan | None, *, inverse: bool,
+                divisor: float, read_order: cupy.ndarray | None = None,
+                write_order: cupy.ndarray | None = None, x_dtype=None, out_dtype=None) -> None:
+    """out[v, k] = y[write_order[k]] / divisor, y = H (s * x'[v]) (inverse: s * (H^T x'[v])),
+    x'[v, i] = x[v, read_order[i]]: cpu_kernels.rotate_rows, bit for bit.
+
+    x, out: CuPy [N, d]; x float16 / bfloat16 (uint16 bits) / float32, out float32 or
+    x's dtype (x_dtype / out_dtype give the logical dtypes; uint16 means bfloat16 by
+    default). Arithmetic in float64, one rounding to float32, then one to out's dtype.
+    Orders: int32 arrays of length d or None. plan None or "none": only orders and divisor.
+    """
+    num_rows, head_size = x.shape
+    if out.shape != x.shape:
+        raise ValueError(f"out has shape {out.shape}; expected x's {x.shape}")
+    if out.strides[1] != out.itemsize:
+        raise ValueError(f"out must have a contiguous last axis (strides {out.strides})")
+    if num_rows == 0:
+        return
+    device_index = x.device.id
+    with cupy.cuda.Device(device_index):
+        x = _contiguous_rows(x)
+        orders = [None if o is None else cupy.ascontiguousarray(cupy.asarray(o, dtype=np.int32))
+                  for o in (read_order, write_order)]
+        use_orders = any(o is not None for o in orders)
+        defines = rotate_defines(head_size, plan, _logical_dtype(x, x_dtype), _logical_dtype(out, out_dtype),
+                                 use_orders)
+        layout = vector_layout(head_size, plan, ROTATE_LANE_VALUES)
+        kernel = _function(device_index, "rotate", "rotate_rows", defines)
+        divisor = float(divisor)
+        # rotate.cu's Divide: keep (1), multiply by the reciprocal (a power of two:
+        # exact, so the same as dividing), or divide.
+        exact = divisor != 0 and math.isfinite(divisor) and math.frexp(abs(divisor))[0] == 0.5
+        mode = 0 if divisor == 1.0 else 1 if exact else 2
+        threads = rotate_threads(layout)
+        grid = _persistent_grid(device_index, kernel, threads, num_rows, threads // layout.lanes)
+        args = (x, np.int64(x.strides[0] // x.itemsize), out, np.int64(out.strides[0] // out.itemsize),
+                np.int64(num_rows), _rotation_on(plan, device_index), np.int32(bool(inverse)),
+                np.float64(divisor), np.float64(1.0 / divisor if exact else 0.0), np.int32(mode),
+                *(np.uint64(0) if o is None else o for o in orders),
+                np.int32(_alignment(x.data.ptr, x.strides[0])), np.int32(_alignment(out.data.ptr, out.strides[0])))
+        kernel((grid,), (threads,), args)
+
+
+def rotate(x, plan: RotationPlan, inverse: bool, out) -> None:
+    """out.data = rotation of x.data (interop.Arrays of the same shape and dtype)."""
+    if plan.is_identity:
+        out.data[...] = x.data
+        return
+    head_size = plan.head_size
+    rows = x.data.reshape(-1, head_size)
+    out_rows = out.data.reshape(-1, head_size)   # out is fresh and contiguous: a view
+    rotate_rows(rows, out_rows, plan, inverse=inverse, divisor=float(plan.norm) if inverse else 1.0,
+                x_dtype=x.dtype, out_dtype=out.dtype)
+
+
+# --- copy-on-write --------------------------------------------------------
+
+# copy_blocks.cu: TensorCopy, eight int64 fields in this order (CuPy has no structured
+# dtypes: a record travels as one row of an int64 array).
+TENSOR_COPY_FIELDS = ("base", "block_stride", "slot_stride", "head_stride", "heads", "rows", "row_bytes",
+                      "width")
+COPY_THREADS = 256
+_MAX_DESCRIPTOR_SETS = 64
+_descriptor_sets: OrderedDict = OrderedDict()
+
+
+def _tensor_copy(tensor: cupy.ndarray) -> tuple:
+    """One TensorCopy record: a block is rows (slot, head) of row_bytes contiguous bytes,
+    merged into longer rows where the strides allow."""
+    slots, heads = tensor.shape[1], tensor.shape[2]
+    row_bytes = tensor.itemsize * (tensor.shape[3] if tensor.ndim == 4 else 1)
+    block_stride, slot_stride, head_stride = tensor.strides[:3]
+    if head_stride == row_bytes or heads == 1:
+        row_bytes, heads, head_stride = row_bytes * heads, 1, 0
+        if slot_stride == row_bytes or slots == 1:
+            row_bytes, slots, slot_stride = row_bytes * slots, 1, 0
+    width = _alignment(tensor.data.ptr, block_stride, slot_stride, head_stride, row_bytes)
+    return (tensor.data.ptr, block_stride, slot_stride, head_stride, heads, slots * heads, row_bytes, width)
+
+
+def copy_blocks(caches, pairs: np.ndarray) -> None:
+    """Block pairs[i, 0] onto pairs[i, 1] in every tensor of every cache: one launch."""
+    pairs = np.ascontiguousarray(pairs, np.int64).reshape(-1, 2)
+    if not pairs.size:
+        return
+    tensors = [tensor for cache in caches for tensor in cache.tensors()]
+    device_index = caches[0].device.index
+    with cupy.cuda.Device(device_index):
+        if np.intersect1d(pairs[:, 0], pairs[:, 1]).size:
+            # A block both read and written: NumPy's semantics (every source read
+            # before any write) need a gather first. Rare; not worth a kernel.
+            sources, destinations = cupy.asarray(pairs[:, 0]), cupy.asarray(pairs[:, 1])
+            for tensor in tensors:
+                tensor[destinations] = tensor[sources]
+            return
+        records = tuple(_tensor_copy(tensor) for tensor in tensors)
+        key = (device_index, records)
+        descriptors = _descriptor_sets.get(key)
+        if descriptors is None:
+            descriptors = cupy.asarray(np.array(records, np.int64).reshape(-1, len(TENSOR_COPY_FIELDS)))
+            _descriptor_sets[key] = descriptors
+            if len(_descriptor_sets) > _MAX_DESCRIPTOR_SETS:
+                _descriptor_sets.popitem(last=False)
+        kernel = _function(device_index, "copy_blocks", "copy_blocks", ())
+        device_pairs = cupy.asarray(pairs)
+        for first in range(0, len(records), 65535):   # gridDim.y <= 65535
+            part = descriptors[first:first + 65535]
+            kernel((len(pairs), len(part)), (COPY_THREADS,), (part, device_pairs, np.int64(caches[0].num_blocks)))
+
+
+# --- what `kvcupy check` compiles (cuda_specs.FAMILIES) --------------------
+
+CHECK_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 256)
+
+
+def _check_plans(head_size: int) -> list:
+    from ..rotation import kron_factors, rotation_plan
+    plans = [rotation_plan(head_size, "none"), rotation_plan(head_size, "blockdiag"),
+             rotation_plan(head_size, "blockdiag", preset="vllm")]
+    if kron_factors(head_size):
+        plans.append(rotation_plan(head_size, "kron"))
+    return plans
+
+
+def specialisations(all: bool) -> list:
+    """(entry, kernels, defines) this module can launch, for cuda_specs: with all=True,
+    every KV dtype x input dtype x rotation (x auto cache dtype) over CHECK_HEAD_SIZES;
+    else one of each code path (each KV dtype, input dtype and rotation kind, the
+    smallest and largest head size, the orders, the copy)."""
+    from .cuda_specs import Specialisation
+    models = list(formats.MODEL_DTYPES.values())
+    found = [Specialisation("copy_blocks", ("copy_blocks",), {})]
+    if all:
+        for head_size in CHECK_HEAD_SIZES:
+            for plan in _check_plans(head_size):
+                for input_dtype in models:
+                    for kv_dtype, info in formats.KV_DTYPES.items():
+                        for cache_dtype in (models if not info.quantized else [input_dtype]):
+                            found.append(Specialisation("write", ("reshape_and_cache",), dict(write_defines(
+                                head_size, kv_dtype, cache_dtype, input_dtype, plan))))
+                    for output_dtype in {input_dtype, np.dtype(np.float32)}:
+                        for orders in (False, True):
+                            found.append(Specialisation("rotate", ("rotate_rows",), dict(rotate_defines(
+                                head_size, plan, input_dtype, output_dtype, orders))))
+        # Presets that differ only in their signs (runtime data) share a build.
+        return list({(spec.entry, tuple(sorted(spec.defines.items()))): spec for spec in found}.values())
+    from ..rotation import rotation_plan
+    bf16, fp16, fp32 = BFLOAT16, np.dtype(np.float16), np.dtype(np.float32)
+    for head_size, kind, preset, kv_dtype, input_dtype in (
+            (128, "blockdiag", "kvcupy", "int4_per_token_head", bf16),
+            (96, "blockdiag", "vllm", "int4_per_token_head", fp16),
+            (96, "kron", "kvcupy", "int8_per_token_head", fp32),
+            (256, "none", None, "fp8_per_token_head", bf16),
+            (32, "blockdiag", "kvcupy", "auto", fp16)):
+        plan = rotation_plan(head_size, kind, preset)
+        found.append(Specialisation("write", ("reshape_and_cache",), dict(write_defines(
+            head_size, kv_dtype, input_dtype, input_dtype, plan))))
+        found.append(Specialisation("rotate", ("rotate_rows",), dict(rotate_defines(
+            head_size, plan, input_dtype, fp32 if kind == "kron" else input_dtype, kind == "blockdiag"))))
+    return found
+
+
+# --- attention (kernels_cu/attention*, the lead's module) ------------------
+
+def plan_attention(*args, **kwargs):
+    from . import cuda_attention
+    return cuda_attention.plan_attention(*args, **kwargs)
+
+
+def paged_attention(*args, **kwargs):
+    from . import cuda_attention
+    return cuda_attention.paged_attention(*args, **kwargs)
