@@ -78,12 +78,20 @@ class BatchPlan:
     checked: bool
     host: dict[str, np.ndarray] | None
     _uploads: _Uploads
-    num_query_tokens_hint: int | None = None   # T, where the contents are on a device
+    table_width: int = 0   # block_table's columns: with block_size, a bound on every length
     _backend_plans: dict = field(default_factory=dict)
 
     @property
     def num_query_tokens(self) -> int | None:
         return None if self.host is None else int(self.host["cu_seqlens_q"][-1])
+
+    @property
+    def host_query_offsets(self) -> np.ndarray | None:
+        """cu_seqlens_q on the host when it is known there (decode builds it on the
+        host even when the lengths live on a device)."""
+        if self.host is not None:
+            return self.host["cu_seqlens_q"]
+        return self._uploads.host.get("cu_seqlens_q")
 
     def arrays(self, backend, device) -> dict[str, Any]:
         """block_table, seq_lens, cu_seqlens_q as `backend`'s int32 arrays on `device`."""
@@ -155,7 +163,7 @@ def plan_batch(*, block_table, seq_lens, cu_seqlens_q=None, block_size: int, num
         name: np.ascontiguousarray(a.data, dtype=np.int32) for name, a in named.items() if a.device == HOST}
     device_arrays = {name: a for name, a in named.items() if a.device != HOST}
     return BatchPlan(num_seqs, block_size, num_blocks, checked=host is not None, host=host,
-                     _uploads=_Uploads(host_arrays, device_arrays), num_query_tokens_hint=num_query_tokens)
+                     _uploads=_Uploads(host_arrays, device_arrays), table_width=table.shape[1])
 
 
 @dataclass(eq=False)

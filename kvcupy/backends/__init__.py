@@ -62,7 +62,7 @@ class Backend(Protocol):
     def reshape_and_cache(self, key, value, cache, slots) -> None:
         """Rotate, quantize and write key/value [T, Hk, d] at slots.device_slots."""
 
-    def plan_attention(self, batch, cache, num_query_heads: int) -> Any:
+    def plan_attention(self, batch, cache, num_query_heads: int, num_query_tokens: int) -> Any:
         """The backend's own plan for one batch (work items, split-KV sizes), built
         once per BatchPlan and kept on it."""
 

@@ -218,7 +218,7 @@ class AttentionPlan:
     values_read: int         # work, for the threading threshold
 
 
-def plan_attention(batch, cache, num_query_heads: int) -> AttentionPlan:
+def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) -> AttentionPlan:
     seq_lens = batch.host["seq_lens"]
     cu_seqlens_q = batch.host["cu_seqlens_q"]
     num_kv_heads = cache.num_kv_heads

@@ -15,7 +15,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import cpu_simd
 
@@ -128,6 +128,27 @@ def float_to_e4m3fn(v):
     return sign | ((exponent + 7) << 3) | fraction
 
 
+# FORMAT.md, non-finite input: a vector holding a NaN or +-inf is stored as codes
+# 0 and this quiet NaN as its scale (zero-point 0, which keeps the int4 word
+# this NaN), so that attention over it is NaN rather than a plausible number.
+NONFINITE_SCALE_BITS = 0x7FC00000
+
+
+@njit(cache=True, inline="always")
+def _all_finite(row):
+    """No value of the float32 row has its exponent bits all ones (inf or NaN).
+
+    An integer max vectorises. Measured on 65536 x 128 vectors, one thread:
+    int4, int8 and fp8 quantization took 1.03x, 1.01x and 1.02x the time
+    without the check; with an early exit at the first non-finite value
+    instead, which does not vectorise, int4 took about 1.5x.
+    """
+    top = np.int32(0)
+    for i in range(row.shape[0]):
+        top = max(top, np.int32(np.float32(row[i]).view(np.int32) & np.int32(0x7F800000)))
+    return top != np.int32(0x7F800000)
+
+
 @njit(parallel=True, cache=True)
 def quantize_vectors(x, kind, codes, scales, zero_points):
     """Quantize each row of x (float32 [N, d]) into codes [N, d_stored] (uint8 or int8),
@@ -136,7 +157,13 @@ def quantize_vectors(x, kind, codes, scales, zero_points):
     min_scale = np.float32(1e-6)
     for v in prange(num_vectors):
         row = x[v]
-        if kind == QUANT_INT4:
+        if not _all_finite(row):
+            # Checked first: min, max and the clamps below would turn a NaN into a finite code.
+            for j in range(codes.shape[1]):
+                codes[v, j] = 0
+            zero_points[v] = 0
+            scale = np.uint32(NONFINITE_SCALE_BITS).view(np.float32)
+        elif kind == QUANT_INT4:
             lo = row[0]
             hi = row[0]
             for i in range(1, d):
@@ -189,24 +216,22 @@ def _fetch_add(typingctx, counter, increment):
     return signature, codegen
 
 
-def _make_prefetch_row(locality: int):
-    """Intrinsic prefetch(data, block, row, head): hint that data[block, row, head]
-    (a 4-D cache) will be read soon. LLVM's prefetch, for reading, with its
-    locality hint: 3 = into every cache level (prefetcht0), 2 = into L2 and
-    beyond (prefetcht1)."""
+def _make_prefetch_line(locality: int):
+    """Intrinsic prefetch(data, block, row, head, element): hint that the cache line
+    holding data[block, row, head, element] (a 4-D cache) will be read soon.
+    LLVM's prefetch, for reading, with its locality hint: 3 = into every cache
+    level (prefetcht0), 2 = into L2 and beyond (prefetcht1)."""
     @intrinsic
-    def prefetch_row(typingctx, data, block, row, head):
+    def prefetch_line(typingctx, data, block, row, head, element):
         if not (isinstance(data, types.Array) and data.ndim == 4):
             return None
-        signature = types.void(data, types.intp, types.intp, types.intp)
+        signature = types.void(data, types.intp, types.intp, types.intp, types.intp)
 
         def codegen(context, builder, sig, args):
             array = context.make_array(sig.args[0])(context, builder, args[0])
             indices = [context.cast(builder, value, fromty, types.intp)
                        for value, fromty in zip(args[1:], sig.args[1:])]
-            pointer = cgutils.get_item_pointer(context, builder, sig.args[0], array,
-                                               indices + [context.get_constant(types.intp, 0)],
-                                               wraparound=False)
+            pointer = cgutils.get_item_pointer(context, builder, sig.args[0], array, indices, wraparound=False)
             byte_pointer = ir.IntType(8).as_pointer()
             int32 = ir.IntType(32)
             prefetch = cgutils.get_or_insert_function(
@@ -217,14 +242,14 @@ def _make_prefetch_row(locality: int):
 
         return signature, codegen
 
-    return prefetch_row
+    return prefetch_line
 
 
-_prefetch_row = _make_prefetch_row(3)
-# For cpu_simd's int4 loops. Measured (2 threads, 8 x 4096 int4 decode, paired
+_prefetch_line = _make_prefetch_line(3)
+# For cpu_simd's loops. Measured (2 threads, 8 x 4096 int4 decode, paired
 # calls, three runs): 0.89-0.95x the time of prefetching into L1, where the
 # buffer path of the other formats took 1.05-1.06x.
-_prefetch_row_to_l2 = _make_prefetch_row(2)
+_prefetch_line_to_l2 = _make_prefetch_line(2)
 
 
 # The buffer path (every format but int4 with d a multiple of 16, which
@@ -387,9 +412,12 @@ def _decode_chunk(mode, data, scale_bits, has_scales, block, offset, n, head,
             zero_points[r] = np.float32(bits & 0xF)
         else:
             scales[r] = _bits_to_float(scale_bits[block, offset + r, head])
-    # Rows up to the next whole tile get scale 0: their (finite) values drop out.
+    # Rows up to the next whole tile get scale 0 and values 0, so that they drop
+    # out: what an earlier chunk left there may be a NaN (an "auto" row), and 0 * NaN is NaN.
     for r in range(n, -(-n // (2 * TILE)) * 2 * TILE):
         scales[r] = 0.0
+        for i in range(rows.shape[1]):
+            rows[r, i] = 0.0
     if mode == DECODE_INT4:
         _unpack_int4(data, block, offset, n, head, zero_points, nibbles)
     elif mode == DECODE_LINEAR:
@@ -475,6 +503,52 @@ def _accumulate_chunk(probs, j0, rows, n, scales, acc):
             _accumulate_tile(acc, group - 1, group - 1, probs, j0, scales, rows, r, r + TILE)
 
 
+@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+def _mark_nonfinite_rows(rows, n, scales):
+    """Give the rows r < n of an "auto" chunk that hold a NaN or +-inf the form a
+    quantized cache stores them in (FORMAT.md): values 0, scale NaN, which
+    _confine_nan_rows keeps from the query rows that do not see them (a weight
+    of 0 times a NaN value would not)."""
+    for r in range(n):
+        top = np.int32(0)
+        for i in range(rows.shape[1]):
+            # Exponent bits all ones: inf or NaN. An integer max vectorises (see _max).
+            top = max(top, np.int32(np.float32(rows[r, i]).view(np.int32) & np.int32(0x7F800000)))
+        if top == np.int32(0x7F800000):
+            scales[r] = np.uint32(NONFINITE_SCALE_BITS).view(np.float32)
+            for i in range(rows.shape[1]):
+                rows[r, i] = 0.0
+
+
+@njit(cache=True)
+def _confine_nan_rows(probs, j0, n, scales, acc):
+    """Rows r < n with a NaN scale (non-finite vectors, FORMAT.md) reach only the
+    query rows that see them: row g with probs[g, j0 + r] != 0 gets acc[g] =
+    NaN, and the scale becomes 0, so that a row with probability 0 does not get
+    0 * NaN = NaN from the value sums. (A seen column's probability is never 0:
+    _exp_nonpositive stops at exp(-87).) Called only for a chunk that has such a
+    row (_any_nan): a NaN-safe weight inside the value tiles instead cost 2.5-4%
+    of a 512-token prefill (int8, "auto" float32 and float16, one thread)."""
+    for r in range(n):
+        if np.isnan(scales[r]):
+            for g in range(acc.shape[0]):
+                if probs[g, j0 + r] != 0:
+                    for i in range(acc.shape[1]):
+                        acc[g, i] = np.nan
+            scales[r] = 0.0
+
+
+# Inlined, so that the body calls _confine_nan_rows only for a chunk with a NaN
+# scale: a call for every chunk, with its array views, took an 8 x 2048-token
+# int4 decode 1.2x the time (one thread).
+@njit(cache=True, inline="always")
+def _any_nan(scales, n):
+    for r in range(n):
+        if np.isnan(scales[r]):
+            return True
+    return False
+
+
 @njit(cache=True, inline="always")
 def _chunk_at(block_table, seq, block_size, position, end):
     """(block, offset, n) of the chunk of rows from `position`: it stops at the
@@ -507,7 +581,7 @@ def _load_chunk(mode, data, scale_bits, has_scales, block_table, seq, block_size
     if mode != DECODE_INT4 and ahead < end:
         block, offset, n = _chunk_at(block_table, seq, block_size, ahead, end)
         for r in range(n):
-            _prefetch_row(data, block, offset + r, head)
+            _prefetch_line(data, block, offset + r, head, 0)
     block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
     _decode_chunk(mode, data, scale_bits, has_scales, block, offset, n, head,
                   rows, nibbles, scales, zero_points)
@@ -534,7 +608,7 @@ def _int4_chunk(data, scale_bits, block_table, seq, block_size, start, end, head
     if ahead < end:
         ahead_block, ahead_offset, ahead_n = _chunk_at(block_table, seq, block_size, ahead, end)
         for r in range(ahead_n):
-            _prefetch_row_to_l2(data, ahead_block, ahead_offset + r, head)
+            _prefetch_line_to_l2(data, ahead_block, ahead_offset + r, head, 0)
     block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
     for r in range(n):
         bits = scale_bits[block, offset + r, head]   # the zero-point is in the low 4 bits
@@ -571,6 +645,130 @@ def _int4_accumulate(acc, data, block, offset, head, n, zero_codes, weights):
         g += 2
     if g < acc.shape[0]:
         _int4_accumulate_1(acc, g, data, block, offset, head, n, zero_codes, weights, g)
+
+
+# fp16 and bf16 rows ("auto" caches, no scales) with d a multiple of 16 skip
+# the float32 buffer as well: cpu_simd converts 8 values at a time in
+# registers (vcvtph2ps for fp16) for the same FMA chains.
+_fp16_scores_4 = cpu_simd.make_half_float_scores(cpu_simd.FLOAT16_ROWS, 4)
+_fp16_scores_2 = cpu_simd.make_half_float_scores(cpu_simd.FLOAT16_ROWS, 2)
+_fp16_scores_1 = cpu_simd.make_half_float_scores(cpu_simd.FLOAT16_ROWS, 1)
+_fp16_accumulate_4 = cpu_simd.make_half_float_accumulate(cpu_simd.FLOAT16_ROWS, 4)
+_fp16_accumulate_2 = cpu_simd.make_half_float_accumulate(cpu_simd.FLOAT16_ROWS, 2)
+_fp16_accumulate_1 = cpu_simd.make_half_float_accumulate(cpu_simd.FLOAT16_ROWS, 1)
+_bf16_scores_4 = cpu_simd.make_half_float_scores(cpu_simd.BFLOAT16_ROWS, 4)
+_bf16_scores_2 = cpu_simd.make_half_float_scores(cpu_simd.BFLOAT16_ROWS, 2)
+_bf16_scores_1 = cpu_simd.make_half_float_scores(cpu_simd.BFLOAT16_ROWS, 1)
+_bf16_accumulate_4 = cpu_simd.make_half_float_accumulate(cpu_simd.BFLOAT16_ROWS, 4)
+_bf16_accumulate_2 = cpu_simd.make_half_float_accumulate(cpu_simd.BFLOAT16_ROWS, 2)
+_bf16_accumulate_1 = cpu_simd.make_half_float_accumulate(cpu_simd.BFLOAT16_ROWS, 1)
+
+
+def _holds_16_bit_values(data):
+    """Whether a cache array holds 16-bit values (fp16 or bf16 bits): a constant
+    of each compiled kernel, see paged_attention's half_floats_in_registers."""
+    return data.dtype == np.uint16
+
+
+@overload(_holds_16_bit_values)
+def _holds_16_bit_values_typed(data):
+    holds = data.dtype == types.uint16
+    return lambda data: holds
+
+
+# A 16-bit row of d = 128 spans 4 cache lines (int4's spans one); all of
+# them are prefetched, into L2, one chunk ahead. Measured on the 8 x 4096
+# fp16 decode (2 threads, paired calls on a loaded 2-core machine, two runs),
+# against first line only into L1 two chunks ahead (the buffer path's way):
+# 0.50x the time; every line into L2 two chunks ahead 0.53-0.55x, one chunk
+# ahead 0.50x; first line into L2 0.75-0.79x; no prefetching 0.79x.
+HALF_FLOAT_PREFETCH_ROWS = CHUNK
+CACHE_LINE_BYTES = 64
+
+
+@njit(cache=True, inline="always")
+def _half_float_chunk(data, block_table, seq, block_size, start, end, head):
+    """(block, offset, n) of the chunk from `start` (see _chunk_at); prefetches
+    every cache line of the chunk HALF_FLOAT_PREFETCH_ROWS further."""
+    ahead = start + HALF_FLOAT_PREFETCH_ROWS
+    if ahead < end:
+        ahead_block, ahead_offset, ahead_n = _chunk_at(block_table, seq, block_size, ahead, end)
+        for r in range(ahead_n):
+            for element in range(0, data.shape[3], CACHE_LINE_BYTES // data.itemsize):
+                _prefetch_line_to_l2(data, ahead_block, ahead_offset + r, head, element)
+    return _chunk_at(block_table, seq, block_size, start, end)
+
+
+@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+def _finite_half_float_chunk(mode, data, block_table, seq, block_size, start, end, head):
+    """Whether the chunk from `start` (see _chunk_at) holds only finite fp16 or bf16
+    values (as mode says): no value with its exponent bits all ones."""
+    block, offset, n = _chunk_at(block_table, seq, block_size, start, end)
+    exponent = np.int32(0x7C00) if mode == DECODE_FP16 else np.int32(0x7F80)
+    top = np.int32(0)
+    for r in range(n):
+        for i in range(data.shape[3]):
+            # An integer max vectorises (see _max).
+            top = max(top, np.int32(np.int32(data[block, offset + r, head, i]) & exponent))
+    return top != exponent
+
+
+# The two functions below take a chunk's position, not its rows: the kernel's
+# body then holds one call per phase for them, no inlined code (see
+# half_floats_in_registers in paged_attention).
+
+@njit(cache=True)
+def _half_float_scores(mode, q, data, block_table, seq, block_size, start, end, head, scores, column):
+    """scores[g, column + r] = q[g] . row r for every row g of q and row r of the
+    chunk from `start` (see _half_float_chunk; fp16 or bf16 bits, as mode says).
+    Returns the chunk's row count."""
+    block, offset, n = _half_float_chunk(data, block_table, seq, block_size, start, end, head)
+    g = 0
+    while g + 4 <= q.shape[0]:
+        if mode == DECODE_FP16:
+            _fp16_scores_4(q, g, data, block, offset, head, n, scores, column)
+        else:
+            _bf16_scores_4(q, g, data, block, offset, head, n, scores, column)
+        g += 4
+    if g + 2 <= q.shape[0]:
+        if mode == DECODE_FP16:
+            _fp16_scores_2(q, g, data, block, offset, head, n, scores, column)
+        else:
+            _bf16_scores_2(q, g, data, block, offset, head, n, scores, column)
+        g += 2
+    if g < q.shape[0]:
+        if mode == DECODE_FP16:
+            _fp16_scores_1(q, g, data, block, offset, head, n, scores, column)
+        else:
+            _bf16_scores_1(q, g, data, block, offset, head, n, scores, column)
+    return n
+
+
+@njit(cache=True)
+def _half_float_accumulate(mode, acc, data, block_table, seq, block_size, start, end, head, probs, column):
+    """acc[g] += sum_r probs[g, column + r] * row r for every row g of acc and row r
+    of the chunk from `start` (see _half_float_chunk; fp16 or bf16 bits, as mode
+    says). Returns the chunk's row count."""
+    block, offset, n = _half_float_chunk(data, block_table, seq, block_size, start, end, head)
+    g = 0
+    while g + 4 <= acc.shape[0]:
+        if mode == DECODE_FP16:
+            _fp16_accumulate_4(acc, g, data, block, offset, head, n, probs, g, column)
+        else:
+            _bf16_accumulate_4(acc, g, data, block, offset, head, n, probs, g, column)
+        g += 4
+    if g + 2 <= acc.shape[0]:
+        if mode == DECODE_FP16:
+            _fp16_accumulate_2(acc, g, data, block, offset, head, n, probs, g, column)
+        else:
+            _bf16_accumulate_2(acc, g, data, block, offset, head, n, probs, g, column)
+        g += 2
+    if g < acc.shape[0]:
+        if mode == DECODE_FP16:
+            _fp16_accumulate_1(acc, g, data, block, offset, head, n, probs, g, column)
+        else:
+            _bf16_accumulate_1(acc, g, data, block, offset, head, n, probs, g, column)
+    return n
 
 
 @njit(fastmath=ATTENTION_FASTMATH, cache=True)
@@ -683,6 +881,14 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
     # cpu_simd's loops read 8 contiguous bytes at a time.
     in_registers = (mode == DECODE_INT4 and has_scales and (d // 2) % cpu_simd.LANES == 0
                     and key_data.strides[3] == 1 and value_data.strides[3] == 1)
+    # A compile-time False for the caches of other dtypes, whose kernels then lose
+    # the branches to these loops: as run-time branches, never taken, they made
+    # the 8 x 4096 decode of int4 1.07-1.16x, int8 1.09x and fp8 1.22-1.28x
+    # slower (paired calls on a 2-core AVX2 machine).
+    half_floats_in_registers = (_holds_16_bit_values(key_data)
+                                and (mode == DECODE_FP16 or mode == DECODE_BF16) and not has_scales
+                                and (d // 2) % cpu_simd.LANES == 0
+                                and key_data.strides[3] == 2 and value_data.strides[3] == 2)
     next_item = np.zeros(1, np.int64)
     for lane in prange(lanes):
         while True:
@@ -706,6 +912,8 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
             sink_rows = np.empty((kv_heads, q_rows if has_sinks else 0), np.float32)
             window_start = 0 if sliding_window <= 0 else max(0, first_position - sliding_window + 1)
             end = first_position + run_length   # one past the last token's position
+            # Every token of the run sees positions last_window_start .. first_position.
+            last_window_start = 0 if sliding_window <= 0 else max(0, end - sliding_window)
             for t in range(run_length):
                 position = first_position + t
                 first = 0 if sliding_window <= 0 else max(0, position - sliding_window + 1)
@@ -758,6 +966,9 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
                                                            start, segment_end, kv_head, scales, zero_codes)
                             _int4_scores(q[k], key_data, block, offset, kv_head, n, zero_codes, scales, scores[k],
                                          start - segment_start)
+                        elif half_floats_in_registers:
+                            n = _half_float_scores(mode, q[k], key_data, block_table, seq, block_size, start,
+                                                   segment_end, kv_head, scores[k], start - segment_start)
                         else:
                             n = _load_chunk(mode, key_data, k_scale_bits, has_scales, block_table, seq, block_size,
                                             start, segment_end, kv_head, rows, nibbles, scales, zero_points)
@@ -767,6 +978,9 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
                 for k in range(kv_heads):
                     _softmax_segment(scores[k], segment_from, segment_to, softcap, running_max[k], running_sum[k],
                                      acc[k])
+                    # The value tiles read up to 2 * TILE columns past the segment (padding rows, scale 0),
+                    # where a register path's scores may have left a NaN or nothing: 0 * NaN is NaN.
+                    scores[k, :, segment_end - segment_start:segment_end - segment_start + 2 * TILE] = 0.0
 
                 start = segment_start
                 while start < segment_end:
@@ -777,14 +991,27 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
                         if in_registers:
                             block, offset, n = _int4_chunk(value_data, v_scale_bits, block_table, seq, block_size,
                                                            start, segment_end, kv_head, scales, zero_codes)
+                            if _any_nan(scales, n):
+                                _confine_nan_rows(scores[k], column, n, scales, acc[k])
                             for g in range(q_rows):
                                 probabilities = scores[k, g, column:column + n]
                                 for r in range(n):
                                     weights[g, r] = probabilities[r] * scales[r]
                             _int4_accumulate(acc[k], value_data, block, offset, kv_head, n, zero_codes, weights)
+                        elif half_floats_in_registers and (run_length == 1 or _finite_half_float_chunk(
+                                mode, value_data, block_table, seq, block_size, start, segment_end, kv_head)):
+                            # In a run of several tokens, a chunk with a NaN or inf row takes the buffer
+                            # path below, which keeps it from the rows that do not see it.
+                            n = _half_float_accumulate(mode, acc[k], value_data, block_table, seq, block_size, start,
+                                                       segment_end, kv_head, scores[k], column)
                         else:
                             n = _load_chunk(mode, value_data, v_scale_bits, has_scales, block_table, seq, block_size,
                                             start, segment_end, kv_head, rows, nibbles, scales, zero_points)
+                            if not has_scales and (start < last_window_start or start + n > first_position + 1):
+                                # A chunk with columns that some rows of the run do not see (never in a decode).
+                                _mark_nonfinite_rows(rows, n, scales)
+                            if _any_nan(scales, n):
+                                _confine_nan_rows(scores[k], column, n, scales, acc[k])
                             _accumulate_chunk(scores[k], column, rows, n, scales, acc[k])
                     start += n
             for k in range(kv_heads):

@@ -160,20 +160,17 @@ class Plan:
         return self.functions[key]
 
 
-def plan_attention(batch, cache, num_query_heads: int) -> Plan:
+def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) -> Plan:
     import cupy
     device = cache.device
     group = num_query_heads // cache.num_kv_heads
     kv = kv_code(cache)
     host = batch.host
-    if host is not None:
-        query_lens = np.diff(host["cu_seqlens_q"])
-        longest = int(host["seq_lens"].max(initial=1))
-    else:   # contents on the device: plan for the largest batch the shapes allow
-        query_lens = None
-        longest = batch.num_blocks * batch.block_size
-    max_rows = group * (int(query_lens.max(initial=1)) if query_lens is not None
-                        else batch.num_query_tokens_hint)
+    # Lengths on a device: plan for the longest sequence the block table allows.
+    longest = int(host["seq_lens"].max(initial=1)) if host is not None else batch.table_width * batch.block_size
+    offsets = batch.host_query_offsets
+    query_lens = None if offsets is None else np.diff(offsets)
+    max_rows = group * (int(query_lens.max(initial=1)) if query_lens is not None else num_query_tokens)
     kernel = _choose_kernel(cache, kv, max_rows)
     rows_per_tile = 8 * kernel.m_tiles
     if query_lens is not None:
@@ -181,7 +178,7 @@ def plan_attention(batch, cache, num_query_heads: int) -> Plan:
         seqs = np.repeat(np.arange(batch.num_seqs), row_tiles)
         within = np.arange(len(seqs)) - np.repeat(np.cumsum(row_tiles) - row_tiles, row_tiles)
     else:
-        per_seq = max(1, -(-batch.num_query_tokens_hint * group // rows_per_tile))
+        per_seq = max(1, -(-num_query_tokens * group // rows_per_tile))
         seqs = np.repeat(np.arange(batch.num_seqs), per_seq)
         within = np.tile(np.arange(per_seq), batch.num_seqs)
     tiles = np.stack([seqs, within], axis=1).astype(np.int32).reshape(-1, 2)
