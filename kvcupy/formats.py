@@ -1,4 +1,4 @@
-"""KV-cache dtypes of FORMAT.md: what a cache stores, and how many bytes it costs.
+"""KV-cache dtypes of docs/format.md: what a cache stores, and how many bytes it costs.
 
 This module is the one table of KV dtypes; every other module asks it.
 The float32 arithmetic of quantization itself lives in `reference.py` (the
@@ -147,14 +147,14 @@ def model_dtype(dtype) -> np.dtype:
 
 
 def encode_int4_scale(scale: np.ndarray, zero_point: np.ndarray) -> np.ndarray:
-    """float32 whose bits are (bits(scale) & ~0xF) | zero_point (FORMAT.md)."""
+    """float32 whose bits are (bits(scale) & ~0xF) | zero_point (docs/format.md)."""
     bits = np.asarray(scale, np.float32).view(np.uint32)
     zp = np.asarray(zero_point).astype(np.uint32)
     return ((bits & np.uint32(~ZERO_POINT_MASK & 0xFFFFFFFF)) | zp).view(np.float32)
 
 
 def decode_int4_scale(encoded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(scale', zero_point) of an encoded int4 scale, as FORMAT.md decodes it."""
+    """(scale', zero_point) of an encoded int4 scale, as docs/format.md decodes it."""
     bits = np.asarray(encoded, np.float32).view(np.uint32)
     zero_point = (bits & np.uint32(ZERO_POINT_MASK)).astype(np.int32)
     scale = (bits & np.uint32(~ZERO_POINT_MASK & 0xFFFFFFFF)).view(np.float32)

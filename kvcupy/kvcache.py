@@ -1,4 +1,4 @@
-"""KVCache: the six tensors of FORMAT.md plus what wrote them (KV dtype, rotation)."""
+"""KVCache: the six tensors of docs/format.md plus what wrote them (KV dtype, rotation)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _device_label(tensor) -> str:
 
 @dataclass(frozen=True)
 class KVCache(_Geometry):
-    """FORMAT.md's logical views of one layer's cache.
+    """docs/format.md's logical views of one layer's cache.
 
     key_cache / value_cache: [num_blocks, block_size, num_kv_heads, stored_head_size];
     k_scale_cache / v_scale_cache: [num_blocks, block_size, num_kv_heads] float32,

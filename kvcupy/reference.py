@@ -1,9 +1,9 @@
-"""The float64 NumPy oracle: every operation of FORMAT.md, slow and obviously right.
+"""The float64 NumPy oracle: every operation of docs/format.md, slow and obviously right.
 
 Rotation and attention run in float64. Quantization runs in float32 exactly
-as FORMAT.md writes it, so that the bytes it produces are the bytes every
+as docs/format.md writes it, so that the bytes it produces are the bytes every
 backend must produce. Nothing here is fast; everything here is checkable by
-reading it next to FORMAT.md.
+reading it next to docs/format.md.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import formats
-from .formats import FP8_DTYPE, FP8_MAX, INT4_LEVELS, INT8_MAX, MIN_SCALE
+from .formats import FP8_DTYPE, FP8_MAX, INT4_LEVELS, INT8_MAX, MIN_SCALE, NONFINITE_SCALE_BITS
 from .rotation import RotationPlan
 
 
@@ -20,7 +20,7 @@ from .rotation import RotationPlan
 def rotate(x: np.ndarray, plan: RotationPlan, inverse: bool = False) -> np.ndarray:
     """y = H (s * x), or its inverse x = s * (H^T y) / norm, over the last axis, float64.
 
-    Each block of plan.block channels is its own product, as FORMAT.md splits
+    Each block of plan.block channels is its own product, as docs/format.md splits
     the vector: one dense d x d product would carry a NaN of one block into the
     others through the matrix's zeros between blocks (0 * NaN is NaN).
     """
@@ -34,7 +34,7 @@ def rotate(x: np.ndarray, plan: RotationPlan, inverse: bool = False) -> np.ndarr
 
 def rotate_for_cache(x: np.ndarray, plan: RotationPlan | None) -> np.ndarray:
     """The float32 vector that gets quantized: rotated in float64, rounded to float32,
-    and for the vllm preset rounded to the input dtype first (FORMAT.md)."""
+    and for the vllm preset rounded to the input dtype first (docs/format.md)."""
     rotated = x if plan is None or plan.is_identity else rotate(x, plan)
     rotated = np.asarray(rotated)
     if plan is not None and plan.rounds_to_input_dtype and x.dtype != np.float32:
@@ -42,7 +42,7 @@ def rotate_for_cache(x: np.ndarray, plan: RotationPlan | None) -> np.ndarray:
     return rotated.astype(np.float32)
 
 
-# --- quantization (float32, in FORMAT.md's order) ------------------------
+# --- quantization (float32, in docs/format.md's order) ------------------------
 
 def round_half_away(v: np.ndarray) -> np.ndarray:
     """vLLM's rounding: add +-0.5 in float32, then truncate toward zero."""
@@ -50,11 +50,11 @@ def round_half_away(v: np.ndarray) -> np.ndarray:
     return np.trunc(v + np.copysign(np.float32(0.5), v))
 
 
-# FORMAT.md, non-finite input: a vector holding a NaN or +-inf is stored as
-# codes 0 and this quiet NaN as its scale word, so that every reader sees a NaN
-# scale and attention over it is NaN, never a finite, plausible entry. Its low
-# four bits are 0: as an int4 scale word it is zero-point 0, and still this NaN.
-NONFINITE_SCALE_BITS = 0x7FC00000
+# docs/format.md, non-finite input: a vector holding a NaN or +-inf is stored as
+# codes 0 and formats.NONFINITE_SCALE_BITS (a quiet NaN) as its scale word, so
+# that every reader sees a NaN scale and attention over it is NaN, never a
+# finite, plausible entry. Its low four bits are 0: as an int4 scale word it is
+# zero-point 0, and still this NaN.
 
 
 def _split_nonfinite(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -153,7 +153,7 @@ def kvcupy_signs(length: int) -> tuple[int, ...]:
 
 
 def check_head_size(head_size) -> int:
-    """head_size as an int, or the error FORMAT.md's range (even, 32..256) calls for."""
+    """head_size as an int, or the error docs/format.md's range (even, 32..256) calls for."""
     if isinstance(head_size, bool) or not isinstance(head_size, (int, np.integer)):
         raise TypeError(f"head_size={head_size!r} must be an int")
     head_size = int(head_size)

@@ -1,7 +1,7 @@
 """The CUDA backend's write path, rotation and block copies, against the CPU backend.
 
 Cache bytes must be identical, scale words included: both backends follow
-FORMAT.md's arithmetic exactly (float64 butterflies in the same order, one
+docs/format.md's arithmetic exactly (float64 butterflies in the same order, one
 rounding to float32, float32 quantization with correctly rounded division and
 no contraction), so there is no tie to land on either side of. Every differing
 byte is counted and reported per tensor. Rotations are compared bit for bit

@@ -1,4 +1,4 @@
-"""Non-finite input (FORMAT.md, "Non-finite input"): one behaviour for every KV dtype.
+"""Non-finite input (docs/format.md, "Non-finite input"): one behaviour for every KV dtype.
 
 A vector (the d values of one token in one KV head, K or V, as quantized:
 after rotation, which spreads one bad input channel over its block) holding

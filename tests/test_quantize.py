@@ -1,4 +1,4 @@
-"""The oracle's quantization against hand-worked cases and FORMAT.md's bounds."""
+"""The oracle's quantization against hand-worked cases and docs/format.md's bounds."""
 
 import ml_dtypes
 import numpy as np

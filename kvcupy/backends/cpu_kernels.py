@@ -1,7 +1,7 @@
 """Numba kernels of the CPU backend: rotation, quantization, paged attention.
 
 Kernels see only NumPy arrays of plain dtypes; `cpu.py` prepares them.
-Quantization runs in float32 without fast-math, in FORMAT.md's order, so its
+Quantization runs in float32 without fast-math, in docs/format.md's order, so its
 bytes equal the oracle's. Attention uses fast-math reassociation so that LLVM
 vectorises its dot products; its results then differ from the oracle only by
 float32 rounding.
@@ -17,6 +17,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .. import formats
+from ..formats import FP8_MAX, INT4_LEVELS, INT8_MAX, MIN_SCALE, NONFINITE_SCALE_BITS, ZERO_POINT_MASK
 from . import cpu_simd
 
 # Reassociation lets LLVM vectorise reductions; no nnan/ninf, since masked and
@@ -31,7 +33,8 @@ DECODE_FP16 = 3     # float16 "auto", read as uint16 bits
 DECODE_BF16 = 4     # bfloat16 "auto", read as uint16 bits
 DECODE_INT8 = 5     # int8 codes * scale, read as uint8 bits
 
-QUANT_INT4, QUANT_INT8, QUANT_FP8 = 0, 1, 2
+# quantize_vectors' kinds: the format table's kernel ids.
+QUANT_INT4, QUANT_INT8, QUANT_FP8 = (formats.KV_DTYPES[name].kernel_id for name in formats.QUANTIZED_KV_DTYPES)
 
 
 # --- rotation -------------------------------------------------------------
@@ -97,7 +100,7 @@ def rotate_rows(x, out, signs, mix, use_mix, pow2, inverse, divisor, read_order,
             out[v, k] = buf[write_order[k]] / divisor
 
 
-# --- quantization (float32, FORMAT.md's order, no fast-math) --------------
+# --- quantization (float32, docs/format.md's order, no fast-math) --------------
 
 @njit(cache=True, inline="always")
 def _round_half_away(v):
@@ -115,7 +118,7 @@ def _clamp(v, lo, hi):
 def float_to_e4m3fn(v):
     """Bits of e4m3fn(v): round to nearest even, saturating at +-448."""
     sign = 0x80 if math.copysign(1.0, v) < 0 else 0
-    a = min(abs(np.float64(v)), 448.0)
+    a = min(abs(np.float64(v)), FP8_MAX)
     if a < 2.0 ** -6:
         # Subnormal range, step 2^-9; a code of 8 is the smallest normal.
         return sign | int(np.rint(a * 512.0))
@@ -127,11 +130,6 @@ def float_to_e4m3fn(v):
         fraction = 0
     return sign | ((exponent + 7) << 3) | fraction
 
-
-# FORMAT.md, non-finite input: a vector holding a NaN or +-inf is stored as codes
-# 0 and this quiet NaN as its scale (zero-point 0, which keeps the int4 word
-# this NaN), so that attention over it is NaN rather than a plausible number.
-NONFINITE_SCALE_BITS = 0x7FC00000
 
 
 @njit(cache=True, inline="always")
@@ -154,7 +152,7 @@ def quantize_vectors(x, kind, codes, scales, zero_points):
     """Quantize each row of x (float32 [N, d]) into codes [N, d_stored] (uint8 or int8),
     scales [N] float32 and zero_points [N] (int4 only)."""
     num_vectors, d = x.shape
-    min_scale = np.float32(1e-6)
+    min_scale = np.float32(MIN_SCALE)
     for v in prange(num_vectors):
         row = x[v]
         if not _all_finite(row):
@@ -169,27 +167,27 @@ def quantize_vectors(x, kind, codes, scales, zero_points):
             for i in range(1, d):
                 lo = min(lo, row[i])
                 hi = max(hi, row[i])
-            scale = max(np.float32(np.float32(hi - lo) / np.float32(15.0)), min_scale)
-            zero_point = _clamp(_round_half_away(np.float32(-lo / scale)), np.float32(0), np.float32(15))
+            scale = max(np.float32(np.float32(hi - lo) / np.float32(INT4_LEVELS)), min_scale)
+            zero_point = _clamp(_round_half_away(np.float32(-lo / scale)), np.float32(0), np.float32(INT4_LEVELS))
             inv_scale = np.float32(np.float32(1.0) / scale)
             for j in range(d // 2):
                 q_even = _clamp(_round_half_away(np.float32(np.float32(row[2 * j] * inv_scale) + zero_point)),
-                                np.float32(0), np.float32(15))
+                                np.float32(0), np.float32(INT4_LEVELS))
                 q_odd = _clamp(_round_half_away(np.float32(np.float32(row[2 * j + 1] * inv_scale) + zero_point)),
-                               np.float32(0), np.float32(15))
+                               np.float32(0), np.float32(INT4_LEVELS))
                 codes[v, j] = int(q_even) | (int(q_odd) << 4)
             zero_points[v] = int(zero_point)
         else:
             absmax = np.float32(0.0)
             for i in range(d):
                 absmax = max(absmax, abs(row[i]))
-            limit = np.float32(127.0) if kind == QUANT_INT8 else np.float32(448.0)
+            limit = np.float32(INT8_MAX) if kind == QUANT_INT8 else np.float32(FP8_MAX)
             scale = max(np.float32(absmax / limit), min_scale)
             inv_scale = np.float32(np.float32(1.0) / scale)
             for i in range(d):
                 scaled = np.float32(row[i] * inv_scale)
                 if kind == QUANT_INT8:
-                    codes[v, i] = int(_clamp(_round_half_away(scaled), np.float32(-128), np.float32(127)))
+                    codes[v, i] = int(_clamp(_round_half_away(scaled), np.float32(-INT8_MAX - 1), np.float32(INT8_MAX)))
                 else:
                     codes[v, i] = float_to_e4m3fn(scaled)
         scales[v] = scale
@@ -409,7 +407,7 @@ def _decode_chunk(mode, data, scale_bits, has_scales, block, offset, n, head,
         elif mode == DECODE_INT4:
             bits = scale_bits[block, offset + r, head]   # the zero-point is in the low 4 bits
             scales[r] = _bits_to_float(bits & 0xFFFFFFF0)
-            zero_points[r] = np.float32(bits & 0xF)
+            zero_points[r] = np.float32(bits & ZERO_POINT_MASK)
         else:
             scales[r] = _bits_to_float(scale_bits[block, offset + r, head])
     # Rows up to the next whole tile get scale 0 and values 0, so that they drop
@@ -506,7 +504,7 @@ def _accumulate_chunk(probs, j0, rows, n, scales, acc):
 @njit(fastmath=ATTENTION_FASTMATH, cache=True)
 def _mark_nonfinite_rows(rows, n, scales):
     """Give the rows r < n of an "auto" chunk that hold a NaN or +-inf the form a
-    quantized cache stores them in (FORMAT.md): values 0, scale NaN, which
+    quantized cache stores them in (docs/format.md): values 0, scale NaN, which
     _confine_nan_rows keeps from the query rows that do not see them (a weight
     of 0 times a NaN value would not)."""
     for r in range(n):
@@ -522,7 +520,7 @@ def _mark_nonfinite_rows(rows, n, scales):
 
 @njit(cache=True)
 def _confine_nan_rows(probs, j0, n, scales, acc):
-    """Rows r < n with a NaN scale (non-finite vectors, FORMAT.md) reach only the
+    """Rows r < n with a NaN scale (non-finite vectors, docs/format.md) reach only the
     query rows that see them: row g with probs[g, j0 + r] != 0 gets acc[g] =
     NaN, and the scale becomes 0, so that a row with probability 0 does not get
     0 * NaN = NaN from the value sums. (A seen column's probability is never 0:
@@ -613,7 +611,7 @@ def _int4_chunk(data, scale_bits, block_table, seq, block_size, start, end, head
     for r in range(n):
         bits = scale_bits[block, offset + r, head]   # the zero-point is in the low 4 bits
         scales[r] = _bits_to_float(bits & 0xFFFFFFF0)
-        zero_codes[r] = np.int32(bits & 0xF)
+        zero_codes[r] = np.int32(bits & ZERO_POINT_MASK)
     return block, offset, n
 
 
