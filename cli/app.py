@@ -8,7 +8,6 @@ a usage error (including a backend that cannot run here).
 
 from __future__ import annotations
 
-import functools
 import json
 from enum import Enum
 from pathlib import Path
@@ -74,15 +73,21 @@ def _parse_choice(choices: type[Enum], value: Any) -> Enum:
 
 
 def choice_option(default: Enum, help: str) -> Any:
-    """A typer.Option taking one of the values of `default`'s Enum.
+    """A typer.Option taking one of the values of `default`'s Enum; the command gets the Enum.
 
-    The parser is kvcupy's own because typer (0.29) checks choices inside a
-    pydantic validator, whose message for the ValueError starts with "Value
-    error, ". The metavar spaces out its `|`s because rich folds the help's
-    type column inside a word when no space lets it wrap between choices.
+    The option is a plain string that kvcupy's own callback checks and converts:
+    typer's Enum options behave differently across versions (0.29 checks choices
+    inside a pydantic validator, whose message starts with "Value error, "; 0.27
+    handed a custom parser's result over as None). The metavar spaces out its
+    `|`s because rich folds the help's type column inside a word when no space
+    lets it wrap between choices.
     """
     choices = type(default)
-    return typer.Option(default, help=help, parser=functools.partial(_parse_choice, choices),
+
+    def to_choice(value: str) -> Enum:   # typer reads a callback's signature: no partial
+        return _parse_choice(choices, value)
+
+    return typer.Option(default.value, help=help, callback=to_choice,
                         metavar="<" + " | ".join(choice.value for choice in choices) + ">")
 
 
@@ -130,10 +135,10 @@ def _print_report(report: dict, as_json: bool, render_report: Callable[[dict], R
 def repro(
     ctx: typer.Context,
     head_size: int = typer.Option(96, help="Head size d (even, 32..256); 96 is Phi-3-mini's."),
-    kv_dtype: KvDtype = choice_option(KvDtype.all, help="KV dtype to check; all: int4, int8 and fp8 "
+    kv_dtype: str = choice_option(KvDtype.all, help="KV dtype to check; all: int4, int8 and fp8 "
                                       "(auto, unquantized float16, only when named)."),
-    rotation: Rotation = choice_option(Rotation.blockdiag, help="Rotation applied before quantizing."),
-    backend: Backend = choice_option(Backend.auto, help=BACKEND_HELP),
+    rotation: str = choice_option(Rotation.blockdiag, help="Rotation applied before quantizing."),
+    backend: str = choice_option(Backend.auto, help=BACKEND_HELP),
     prompt_len: int = typer.Option(512, min=1, help="Prompt tokens (one prefill call)."),
     decode_steps: int = typer.Option(32, min=0, help="Decode steps after the prompt, one token each."),
     seed: int = typer.Option(0, help="Seed of the synthetic Q/K/V."),
@@ -161,9 +166,9 @@ def repro(
 @app.command()
 def bench(
     ctx: typer.Context,
-    backend: Backend = choice_option(Backend.auto, help=BACKEND_HELP),
-    kv_dtype: KvDtype = choice_option(KvDtype.all, help="KV dtype to time; all: int4, int8, fp8, auto."),
-    phase: Phase = choice_option(Phase.all, help="Decode (8 seqs x 4096 tokens), prefill (1 x 2048, "
+    backend: str = choice_option(Backend.auto, help=BACKEND_HELP),
+    kv_dtype: str = choice_option(KvDtype.all, help="KV dtype to time; all: int4, int8, fp8, auto."),
+    phase: str = choice_option(Phase.all, help="Decode (8 seqs x 4096 tokens), prefill (1 x 2048, "
                                  "causal) or both."),
     repeats: int = typer.Option(9, min=1, help="Timed calls per decode case, over all rounds (the "
                                 "median is reported)."),
