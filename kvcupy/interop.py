@@ -268,7 +268,10 @@ def like(result: Array, reference):
         return tensor
     if framework == "jax":
         import jax
-        return jax.dlpack.from_dlpack(data)
+        array = jax.dlpack.from_dlpack(data)
+        if result.dtype in (BFLOAT16, FP8_DTYPE):   # the bits crossed as unsigned integers
+            array = jax.lax.bitcast_convert_type(array, result.dtype)
+        return array
     return data
 
 
