@@ -250,14 +250,15 @@ _prefetch_line = _make_prefetch_line(3)
 _prefetch_line_to_l2 = _make_prefetch_line(2)
 
 
-# The buffer path (every format but int4 with d a multiple of 16, which
-# cpu_simd's loops take): a work item walks its rows, per KV head, in chunks of
-# at most CHUNK rows of one block (one block_table lookup each), decodes a chunk
-# into a float32 scratch buffer that stays in L1, and consumes that in tiles of
-# two jobs of TILE rows: two query heads over the same rows (each row vector
-# loaded serves both), or, for the last head of an odd group, one head over
-# two row tiles. Either way a tile has 8 independent FMA chains, what two FMA
-# units of latency 4 need to stay busy.
+# The buffer path (every format but int4, and fp16 / bf16 without scales, with
+# d a multiple of 16, which cpu_simd's loops take): a work item walks its
+# rows, per KV head, in chunks of at most CHUNK rows of one block (one
+# block_table lookup each), decodes a chunk into a float32 scratch buffer that
+# stays in L1, and consumes that in tiles of two jobs of TILE rows: two query
+# heads over the same rows (each row vector loaded serves both), or, for the
+# last head of an odd group, one head over two row tiles. Either way a tile
+# has 8 independent FMA chains, what two FMA units of latency 4 need to stay
+# busy.
 #
 # Every inner loop lives in a fast-math function other than the parallel loop
 # body, where LLVM vectorises it reliably (vfmadd231ps, vcvtdq2ps on ymm). The
@@ -647,7 +648,10 @@ def _int4_accumulate(acc, data, block, offset, head, n, zero_codes, weights):
 
 # fp16 and bf16 rows ("auto" caches, no scales) with d a multiple of 16 skip
 # the float32 buffer as well: cpu_simd converts 8 values at a time in
-# registers (vcvtph2ps for fp16) for the same FMA chains.
+# registers (vcvtph2ps for fp16) for the same FMA chains. Measured on the
+# 8 x 4096 fp16 decode (2 threads, paired calls, 2-core AVX2 machine): with
+# the buffer path's prefetching, 0.57-0.66x the time of the buffer path (four
+# runs); with _half_float_chunk's, 0.29-0.51x (seven runs).
 _fp16_scores_4 = cpu_simd.make_half_float_scores(cpu_simd.FLOAT16_ROWS, 4)
 _fp16_scores_2 = cpu_simd.make_half_float_scores(cpu_simd.FLOAT16_ROWS, 2)
 _fp16_scores_1 = cpu_simd.make_half_float_scores(cpu_simd.FLOAT16_ROWS, 1)
@@ -676,10 +680,11 @@ def _holds_16_bit_values_typed(data):
 
 # A 16-bit row of d = 128 spans 4 cache lines (int4's spans one); all of
 # them are prefetched, into L2, one chunk ahead. Measured on the 8 x 4096
-# fp16 decode (2 threads, paired calls on a loaded 2-core machine, two runs),
-# against first line only into L1 two chunks ahead (the buffer path's way):
-# 0.50x the time; every line into L2 two chunks ahead 0.53-0.55x, one chunk
-# ahead 0.50x; first line into L2 0.75-0.79x; no prefetching 0.79x.
+# fp16 decode (2 threads, paired calls, 2-core AVX2 machine shared with other
+# jobs, two to five runs each), this took 0.50-0.80x the time of the
+# buffer path's way (first line into L1, two chunks ahead), 0.65-0.97x of no
+# prefetching, 0.66-1.0x of the first line only into L2, 0.67-1.0x of every
+# line into L1 and 0.91-1.0x of every line into L2 two chunks ahead.
 HALF_FLOAT_PREFETCH_ROWS = CHUNK
 CACHE_LINE_BYTES = 64
 
@@ -711,15 +716,24 @@ def _finite_half_float_chunk(mode, data, block_table, seq, block_size, start, en
     return top != exponent
 
 
-# The two functions below take a chunk's position, not its rows: the kernel's
-# body then holds one call per phase for them, no inlined code (see
-# half_floats_in_registers in paged_attention).
+# The two functions below take a chunk's position, not its rows, and the
+# work item's arrays with the KV head's index k, not views: the kernel's body
+# holds one plain call per phase for them. With the chunk lookup and the
+# prefetch loop inlined into the body (as _int4_chunk is), the int4, int8 and
+# fp8 decodes, which never run that code, took 1.11-1.17x, 1.06-1.09x and
+# 1.11-1.30x the time of a kernel without them (8 x 4096 decode, paired
+# calls, 2-6 runs each on a 2-core AVX2 machine); called, 0.93-1.02x. Views
+# (q[k]) as arguments cost compile time: the first call of the uint8 kernel
+# took 31.3 s against 30.0-30.3 s, of the uint16 one 38.3 s against 35.8 s
+# (24.1-25.4 s and 24.6 s without these loops).
 
 @njit(cache=True)
-def _half_float_scores(mode, q, data, block_table, seq, block_size, start, end, head, scores, column):
-    """scores[g, column + r] = q[g] . row r for every row g of q and row r of the
-    chunk from `start` (see _half_float_chunk; fp16 or bf16 bits, as mode says).
-    Returns the chunk's row count."""
+def _half_float_scores(mode, queries, k, data, block_table, seq, block_size, start, end, head, all_scores, column):
+    """scores[g, column + r] = q[g] . row r, q = queries[k] and scores = all_scores[k],
+    for every row g of q and row r of the chunk from `start` (see
+    _half_float_chunk; fp16 or bf16 bits, as mode says). Returns the chunk's
+    row count."""
+    q, scores = queries[k], all_scores[k]
     block, offset, n = _half_float_chunk(data, block_table, seq, block_size, start, end, head)
     g = 0
     while g + 4 <= q.shape[0]:
@@ -743,10 +757,12 @@ def _half_float_scores(mode, q, data, block_table, seq, block_size, start, end, 
 
 
 @njit(cache=True)
-def _half_float_accumulate(mode, acc, data, block_table, seq, block_size, start, end, head, probs, column):
-    """acc[g] += sum_r probs[g, column + r] * row r for every row g of acc and row r
-    of the chunk from `start` (see _half_float_chunk; fp16 or bf16 bits, as mode
-    says). Returns the chunk's row count."""
+def _half_float_accumulate(mode, accs, k, data, block_table, seq, block_size, start, end, head, all_probs, column):
+    """acc[g] += sum_r probs[g, column + r] * row r, acc = accs[k] and probs =
+    all_probs[k], for every row g of acc and row r of the chunk from `start`
+    (see _half_float_chunk; fp16 or bf16 bits, as mode says). Returns the
+    chunk's row count."""
+    acc, probs = accs[k], all_probs[k]
     block, offset, n = _half_float_chunk(data, block_table, seq, block_size, start, end, head)
     g = 0
     while g + 4 <= acc.shape[0]:
@@ -876,13 +892,11 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
     group = num_heads // num_kv_heads
     spans = -(-num_kv_heads // head_span)
     num_items = (run_starts.shape[0] - 1) * spans
-    # cpu_simd's loops read 8 contiguous bytes at a time.
+    # cpu_simd's loops read 8 contiguous values (bytes, 16-bit words) at a time.
     in_registers = (mode == DECODE_INT4 and has_scales and (d // 2) % cpu_simd.LANES == 0
                     and key_data.strides[3] == 1 and value_data.strides[3] == 1)
-    # A compile-time False for the caches of other dtypes, whose kernels then lose
-    # the branches to these loops: as run-time branches, never taken, they made
-    # the 8 x 4096 decode of int4 1.07-1.16x, int8 1.09x and fp8 1.22-1.28x
-    # slower (paired calls on a 2-core AVX2 machine).
+    # Known at compile time (each cache dtype compiles its own kernel): the
+    # kernels of the other dtypes hold no branch to these loops.
     half_floats_in_registers = (_holds_16_bit_values(key_data)
                                 and (mode == DECODE_FP16 or mode == DECODE_BF16) and not has_scales
                                 and (d // 2) % cpu_simd.LANES == 0
@@ -965,8 +979,8 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
                             _int4_scores(q[k], key_data, block, offset, kv_head, n, zero_codes, scales, scores[k],
                                          start - segment_start)
                         elif half_floats_in_registers:
-                            n = _half_float_scores(mode, q[k], key_data, block_table, seq, block_size, start,
-                                                   segment_end, kv_head, scores[k], start - segment_start)
+                            n = _half_float_scores(mode, q, k, key_data, block_table, seq, block_size, start,
+                                                   segment_end, kv_head, scores, start - segment_start)
                         else:
                             n = _load_chunk(mode, key_data, k_scale_bits, has_scales, block_table, seq, block_size,
                                             start, segment_end, kv_head, rows, nibbles, scales, zero_points)
@@ -1000,8 +1014,8 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
                                 mode, value_data, block_table, seq, block_size, start, segment_end, kv_head)):
                             # In a run of several tokens, a chunk with a NaN or inf row takes the buffer
                             # path below, which keeps it from the rows that do not see it.
-                            n = _half_float_accumulate(mode, acc[k], value_data, block_table, seq, block_size, start,
-                                                       segment_end, kv_head, scores[k], column)
+                            n = _half_float_accumulate(mode, acc, k, value_data, block_table, seq, block_size, start,
+                                                       segment_end, kv_head, scores, column)
                         else:
                             n = _load_chunk(mode, value_data, v_scale_bits, has_scales, block_table, seq, block_size,
                                             start, segment_end, kv_head, rows, nibbles, scales, zero_points)

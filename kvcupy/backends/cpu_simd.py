@@ -159,10 +159,14 @@ def _is_cache(value):
     return isinstance(value, types.Array) and value.ndim == 4
 
 
-# How each kind of row turns into float32 vectors. The attention kernel is
-# typed for every cache dtype but calls a kind's loops on its storage dtype
-# only (uint8 for int4, uint16 for fp16 and bf16): for the others the loops
-# compile to nothing, which saves compile time.
+# How each kind of row turns into float32 vectors: row_state(builder, arrays,
+# row) is what tile() needs of row `row` (arrays: the intrinsic's per-row
+# arrays), row_scale() the factor of its score (None: none), and tile() the
+# two float32 vectors of a row's values column .. column + 7 and half +
+# column .. half + column + 7. The attention kernel is typed for every cache
+# dtype but calls a kind's loops on its storage dtype only (uint8 for int4,
+# uint16 for fp16 and bf16): for the others the loops compile to nothing,
+# which saves compile time.
 
 class _Int4Rows:
     """int4 rows: per-row zero-points (int32 [n]) for both loops, and per-row
@@ -182,8 +186,7 @@ class _Int4Rows:
 
     @staticmethod
     def tile(builder, rows_base, row_start, column, half, zero_point):
-        """(values column .. column + 7, values half + column .. half + column + 7) of
-        the row at byte row_start: both come from the same 8 bytes."""
+        """Both vectors come from the 8 bytes at row_start + column."""
         return _unpack(builder, rows_base, builder.add(row_start, column), zero_point)
 
 
@@ -205,6 +208,7 @@ class _HalfFloatRows:
         return None
 
     def tile(self, builder, rows_base, row_start, column, half, state):
+        """Two 16-byte loads, 2 * column and 2 * (half + column) bytes into the row."""
         intp = column.type
         return tuple(self.to_float32(builder, _load_halves(builder, rows_base,
                                                            builder.add(row_start, builder.shl(element, intp(1)))))
