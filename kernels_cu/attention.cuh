@@ -125,7 +125,6 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
   return r;
 }
 
-__device__ __forceinline__ u32 hsub2(u32 a, u32 b) { return kvc::sub_half2(a, b); }
 
 template <bool BF16>
 __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -183,14 +182,6 @@ __device__ __forceinline__ float sum_over_quad(float x) {
 // channel (the stored value's index in the row).
 
 template <int KV>
-struct KeyWords {
-  // Words a lane reads per token row, for kc_steps k steps.
-  static __device__ __forceinline__ constexpr int count(int kc_steps) {
-    return KV == KV_INT4 ? kc_steps / 2 : KV == KV_INT8 || KV == KV_FP8 ? kc_steps : 2 * kc_steps;
-  }
-};
-
-template <int KV>
 __device__ __forceinline__ int key_dim_of(int logical) {
   int kc = logical >> 4, pos = logical & 15;
   int high8 = pos >> 3, t = (pos & 7) >> 1, half = pos & 1;
@@ -228,23 +219,6 @@ __device__ __forceinline__ int value_dim_of(int logical) {
 }
 
 // --- conversions of stored codes to mma operands ------------------------------
-
-// Four fp16 pairs {(n_k, n_{k+4})} of a word of eight int4 codes, each minus
-// the zero-point: 1024 + c is exact in fp16 (0x6400 | c), and so is
-// (1024 + c) - (1024 + zp).
-__device__ __forceinline__ void int4_pairs(u32 word, u32 zero_pair, u32 (&out)[4]) {
-  out[0] = hsub2(lop_and_or(word, 0x000F000Fu, 0x64006400u), zero_pair);
-  out[1] = hsub2(lop_and_or(word >> 4, 0x000F000Fu, 0x64006400u), zero_pair);
-  out[2] = hsub2(lop_and_or(word >> 8, 0x000F000Fu, 0x64006400u), zero_pair);
-  out[3] = hsub2(lop_and_or(word >> 12, 0x000F000Fu, 0x64006400u), zero_pair);
-}
-
-// int8 bytes at selector positions -> fp16 pair: byte + 128 sits in the low
-// byte of 0x64xx (1024 + 128 + code), minus 1152 is the code, exactly.
-__device__ __forceinline__ u32 int8_pair(u32 bytes_in_low_of_halves) {
-  u32 biased = (bytes_in_low_of_halves ^ 0x00800080u) | 0x64006400u;
-  return hsub2(biased, 0x64806480u);   // 1152 = 0x6480 in fp16
-}
 
 // e4m3 bytes in the high byte of each half -> fp16 bits of value * 2^-8 (exact:
 // sign stays, exponent and mantissa shift right by one; subnormals map to
