@@ -58,10 +58,5 @@ __device__ __forceinline__ float2 unpack_half2(u32 x) {
 __device__ __forceinline__ float2 unpack_bf162(u32 x) {
   return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xFFFF0000u));
 }
-__device__ __forceinline__ u32 sub_half2(u32 a, u32 b) {
-  u32 r;
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
 
 }  // namespace kvc
