@@ -34,11 +34,12 @@
 
 #include "types.cuh"
 
-// Staging where each thread copies one fixed (head, piece) of every token it
-// takes (fewer index operations, ~40 bytes of spills at d = 128 with 128
-// registers); chosen per specialisation by the launcher.
-#ifndef KVC_FAST_STAGING
-#define KVC_FAST_STAGING 0
+// Staging by the bulk-copy engine (sm_90): one cp.async.bulk per token row of
+// K, V and their scales (all the block's heads side by side), completing on one
+// mbarrier per stage, instead of one cp.async per 16 bytes and thread. The
+// launcher chooses it where the rows are contiguous and 16-byte aligned.
+#ifndef KVC_BULK
+#define KVC_BULK 0
 #endif
 
 namespace kvc_attn {
@@ -77,7 +78,9 @@ struct Traits {
   static constexpr int kKeyBytes = TILE * kTokenStride;
   static constexpr int kScaleBytes = TILE * HEADS * 4;
   static constexpr int kStageBytes = 2 * kKeyBytes + 2 * kScaleBytes;
-  static constexpr int kSharedBytes = STAGES * kStageBytes;
+  // Bulk staging: STAGES mbarriers after the stages.
+  static constexpr int kBarrierOffset = STAGES * kStageBytes;
+  static constexpr int kSharedBytes = kBarrierOffset + (KVC_BULK ? 8 * STAGES : 0);
   static_assert(kTokenStride % 32 == 16, "token stride: an odd multiple of 16 bytes");
 };
 
@@ -156,6 +159,50 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// mbarrier and bulk copies (sm_90): a stage's barrier completes when every
+// thread has arrived and the bytes each announced have landed. Older archs
+// compile them to traps: the launcher never picks bulk staging there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define KVC_SM90(statement) __trap()
+#else
+#define KVC_SM90(statement) statement
+#endif
+
+__device__ __forceinline__ u32 shared_address(const void* pointer) {
+  return static_cast<u32>(__cvta_generic_to_shared(pointer));
+}
+
+__device__ __forceinline__ void mbarrier_init(void* barrier, int count) {
+  KVC_SM90(asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(count)
+                        : "memory"));
+}
+
+__device__ __forceinline__ void mbarrier_arrive_expect(void* barrier, u32 bytes) {
+  KVC_SM90(asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                        ::"r"(shared_address(barrier)), "r"(bytes) : "memory"));
+}
+
+__device__ __forceinline__ void mbarrier_wait(void* barrier, u32 parity) {
+  u32 done = 0;
+  while (!done) {
+    KVC_SM90(asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                          " selp.u32 %0, 1, 0, p;\n}\n"
+                          : "=r"(done) : "r"(shared_address(barrier)), "r"(parity) : "memory"));
+  }
+}
+
+// Orders this thread's earlier generic-proxy accesses to shared memory before
+// its later bulk copies into it (a stage is zero-filled by stores at times).
+__device__ __forceinline__ void fence_proxy_async() {
+  KVC_SM90(asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"));
+}
+
+__device__ __forceinline__ void bulk_copy(void* shared, const void* global, u32 bytes, void* barrier) {
+  KVC_SM90(asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                        ::"r"(shared_address(shared)), "l"(global), "r"(bytes), "r"(shared_address(barrier))
+                        : "memory"));
+}
 
 // 2^x to ~2 ulp (MUFU.EX2); exact 0 for -inf, NaN for NaN.
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -283,30 +330,7 @@ struct Attention {
     const int first_page = base >> block_shift;
     constexpr int kPieces = T::kRowBytes / (CHUNK == 1 ? 4 : CHUNK);
     constexpr int kWork = TILE * HEADS * kPieces;
-    constexpr int kPerToken = HEADS * kPieces;
-    if constexpr (KVC_FAST_STAGING && CHUNK != 1 && T::kThreads % kPerToken == 0 && TILE % (T::kThreads / kPerToken) == 0) {
-      // Each thread copies the same (head, piece) of every token it takes: the
-      // head's offset is computed once, a token costs two multiply-adds.
-      constexpr int kTokensPerPass = T::kThreads / kPerToken;
-      const int rest = threadIdx.x % kPerToken;
-      const int head = rest / kPieces;
-      const int offset = (rest - head * kPieces) * CHUNK;
-      const int shared_offset = head * T::kRowBytes + offset;
-      const bool in_row = offset < p.row_bytes;
-#pragma unroll 1
-      for (int token = threadIdx.x / kPerToken; token < TILE; token += kTokensPerPass) {
-        const int position = base + token;
-        const int block = __shfl_sync(0xffffffffu, pages, ((position >> block_shift) - first_page) & 31);
-        const int bytes = block >= 0 && position >= lo && position < hi && in_row ? CHUNK : 0;
-        const long long slot = position & (p.block_size - 1);
-        const long long key_at = block * p.k_block_stride + slot * p.k_slot_stride + (head0 + head) * p.k_head_stride;
-        const long long value_at = block * p.v_block_stride + slot * p.v_slot_stride + (head0 + head) * p.v_head_stride;
-        cp_async(keys + token * T::kTokenStride + shared_offset,
-                 bytes ? p.key_cache + key_at + offset : p.key_cache, bytes, CHUNK);
-        cp_async(values + token * T::kTokenStride + shared_offset,
-                 bytes ? p.value_cache + value_at + offset : p.value_cache, bytes, CHUNK);
-      }
-    } else {
+    {
 #pragma unroll 1
     for (int i = 0; i < kWorkPerThread; ++i) {
       const int c = threadIdx.x + i * T::kThreads;
@@ -358,6 +382,59 @@ struct Attention {
         cp_async(key_scales + 4 * c, valid_token ? key_src : p.k_scales, valid_token ? 4 : 0, 4);
         cp_async(value_scales + 4 * c, valid_token ? value_src : p.v_scales, valid_token ? 4 : 0, 4);
       }
+    }
+  }
+
+  // Bulk staging (KVC_BULK): thread j < 4 TILE copies one row of tokens base ..
+  // base + TILE - 1: kind j / TILE (K, V, K scales, V scales), token j % TILE,
+  // all the block's heads at once. A token outside [lo, hi) or the cache gets
+  // zeros instead. Every thread arrives on the stage's barrier, announcing the
+  // bytes it copies.
+  static __device__ __forceinline__ void stage_tile_bulk(const Params& p, u8* smem, int stage, int head0,
+                                                         int base, int lo, int hi, int block_shift, int pages) {
+    u8* keys = smem + stage * T::kStageBytes;
+    void* barrier = smem + T::kBarrierOffset + 8 * stage;
+    const int token = threadIdx.x % TILE, kind = threadIdx.x / TILE;
+    const int position = base + token;
+    const int block = __shfl_sync(0xffffffffu, pages, ((position >> block_shift) - (base >> block_shift)) & 31);
+    const bool has_row = kind < 2 || (kQuantized && kind < 4);
+    if (!has_row) {
+      mbarrier_arrive_expect(barrier, 0);
+      return;
+    }
+    const long long slot = position & (p.block_size - 1);
+    u8* destination;
+    const u8* source;
+    u32 bytes;
+    if (kind < 2) {
+      destination = keys + kind * T::kKeyBytes + token * T::kTokenStride;
+      source = kind == 0 ? p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + head0 * p.k_head_stride
+                         : p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + head0 * p.v_head_stride;
+      bytes = T::kHeadsBytes;
+    } else {
+      destination = keys + 2 * T::kKeyBytes + (kind - 2) * T::kScaleBytes + token * HEADS * 4;
+      source = kind == 2 ? p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride + head0 * p.ks_head_stride
+                         : p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride + head0 * p.vs_head_stride;
+      bytes = HEADS * 4;
+    }
+    if (block >= 0 && position >= lo && position < hi) {
+      fence_proxy_async();
+      mbarrier_arrive_expect(barrier, bytes);
+      bulk_copy(destination, source, bytes, barrier);
+    } else {
+      for (u32 b = 0; b < bytes; b += 16) *reinterpret_cast<uint4*>(destination + b) = make_uint4(0u, 0u, 0u, 0u);
+      mbarrier_arrive_expect(barrier, 0);
+    }
+  }
+
+  // One tile into stage `stage`: bulk copies, or per-thread cp.async as one commit group.
+  static __device__ __forceinline__ void stage(const Params& p, u8* smem, int stage, int head0, int base, int lo,
+                                               int hi, int block_shift, int pages) {
+    if constexpr (KVC_BULK) {
+      stage_tile_bulk(p, smem, stage, head0, base, lo, hi, block_shift, pages);
+    } else {
+      stage_tile(p, smem, stage, head0, base, lo, hi, block_shift, pages);
+      cp_async_commit();
     }
   }
 
@@ -557,28 +634,40 @@ struct Attention {
     float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
     const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
+    if constexpr (KVC_BULK) {
+      static_assert(T::kThreads >= 4 * TILE, "bulk staging: a thread per row copy");
+      if (threadIdx.x < STAGES) mbarrier_init(smem + T::kBarrierOffset + 8 * threadIdx.x, T::kThreads);
+      __syncthreads();
+    }
     int pages = 0;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < num_tiles) {
         pages = tile_pages(p, table, key_lo + s * TILE, key_lo, key_hi, block_shift);
-        stage_tile(p, smem, s, head0, key_lo + s * TILE, key_lo, key_hi, block_shift, pages);
+        stage(p, smem, s, head0, key_lo + s * TILE, key_lo, key_hi, block_shift, pages);
+      } else if constexpr (!KVC_BULK) {
+        cp_async_commit();
       }
-      cp_async_commit();
     }
     pages = STAGES - 1 < num_tiles
                 ? tile_pages(p, table, key_lo + (STAGES - 1) * TILE, key_lo, key_hi, block_shift) : 0;
     for (int tile = 0; tile < num_tiles; ++tile) {
-      cp_async_wait<STAGES - 2>();
+      if constexpr (KVC_BULK) {
+        mbarrier_wait(smem + T::kBarrierOffset + 8 * (tile % STAGES), (tile / STAGES) & 1);
+      } else {
+        cp_async_wait<STAGES - 2>();
+      }
+      // Everyone is done with the stage the next copy overwrites (tile - 1's).
       __syncthreads();
       {
         const int next = tile + STAGES - 1;
         if (next < num_tiles) {
-          stage_tile(p, smem, next % STAGES, head0, key_lo + next * TILE, key_lo, key_hi, block_shift, pages);
+          stage(p, smem, next % STAGES, head0, key_lo + next * TILE, key_lo, key_hi, block_shift, pages);
           if (next + 1 < num_tiles)
             pages = tile_pages(p, table, key_lo + (next + 1) * TILE, key_lo, key_hi, block_shift);
+        } else if constexpr (!KVC_BULK) {
+          cp_async_commit();   // an empty group keeps wait_group's count in step
         }
-        cp_async_commit();
       }
       const int base = key_lo + tile * TILE;
       const u8* keys = smem + (tile % STAGES) * T::kStageBytes + warp * T::kRowBytes;

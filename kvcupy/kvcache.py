@@ -100,3 +100,17 @@ class CacheArrays(_Geometry):
     head_size: int
     storage_dtype: np.dtype
     device: Any
+
+    @property
+    def plan_key(self) -> tuple:
+        """What a backend's attention plan may depend on besides the batch: the
+        format, each tensor's shape, strides and 16-byte alignment, and the device
+        (a batch planned once serves caches of other formats or layouts too)."""
+        tensors = (self.key_cache, self.value_cache, self.k_scale_cache, self.v_scale_cache)
+        return (self.kv_dtype, str(self.storage_dtype), self.head_size, repr(self.device),
+                tuple(None if a is None else (tuple(a.shape), tuple(a.strides), _address(a) % 16) for a in tensors))
+
+
+def _address(array) -> int:
+    """A NumPy or CuPy array's first byte's address."""
+    return array.data.ptr if hasattr(array.data, "ptr") else array.ctypes.data

@@ -351,7 +351,7 @@ def paged_attention(query, cache: KVCache, *, block_table=None, seq_lens=None, c
 
     backend = backends.for_device(arrays.device, "cache")
     backend_plan = plan.backend_plan(
-        (backend.name, arrays.num_kv_heads, num_heads, arrays.head_size, q.shape[0]),
+        (backend.name, arrays.plan_key, num_heads, q.shape[0]),
         lambda: backend.plan_attention(plan, arrays, num_heads, q.shape[0]))
     target = out_array or _new_array(backend, q.shape, q.dtype, q.device, "out")
     backend.paged_attention(q, arrays, plan, backend_plan, softmax_scale=softmax_scale,

@@ -10,7 +10,7 @@ import kvcupy as kc
 from kvcupy import backends, cache as cache_module, interop
 from kvcupy.backends import cpu
 
-from .helpers import paged_batch
+from .helpers import paged_batch, relative_error
 
 
 class OnFakeDevice:
@@ -167,3 +167,27 @@ def test_copy_on_write_is_one_backend_call_for_all_layers(fake):
     for layer in mgr.layers:
         for tensor in layer.tensors():
             np.testing.assert_array_equal(tensor.array[private], tensor.array[shared])
+
+
+def test_a_batch_plans_attention_once_per_cache_format(monkeypatch):
+    """One BatchPlan passed with caches of two KV dtypes: the backend plans each
+    format once (a plan made for int4 never serves an int8 cache), and both
+    results match the oracle."""
+    from kvcupy import reference
+
+    calls = []
+    original = cpu.plan_attention
+    monkeypatch.setattr(cpu, "plan_attention", lambda *a, **k: calls.append(a[1].kv_dtype) or original(*a, **k))
+    rng = np.random.default_rng(4)
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    lens = np.array([20, 31], np.int32)
+    batch = kc.plan_batch(block_table=table, seq_lens=lens, block_size=16, num_blocks=4, num_query_tokens=2)
+    query = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    kv = rng.standard_normal((64, 2, 64)).astype(np.float32)
+    for kv_dtype in ("int4_per_token_head", "int8_per_token_head", "int4_per_token_head"):
+        cache = kc.allocate_cache(4, 16, 2, 64, kv_dtype)
+        kc.reshape_and_cache(kv, kv, cache, np.arange(64))
+        out = kc.paged_attention(query, cache, batch=batch)
+        expected = reference.paged_attention(query, cache, block_table=table, seq_lens=lens)
+        assert relative_error(out, expected) < 1e-5, kv_dtype
+    assert calls == ["int4_per_token_head", "int8_per_token_head"]

@@ -246,3 +246,49 @@ def test_out_of_range_ids_never_fault():
     with pytest.raises(ValueError, match="block_table"):
         kc.paged_attention(query, cache, block_table=cupy.asarray(table),
                            seq_lens=cupy.asarray(batch.seq_lens), validate=True)
+
+
+def _attention_plan(query, cache, args):
+    """The CUDA plan kc.paged_attention made for these arguments (it hangs on the batch)."""
+    batch = kc.plan_batch(**args, block_size=cache.block_size, num_blocks=cache.num_blocks,
+                          num_query_tokens=query.shape[0])
+    kc.paged_attention(query, cache, batch=batch)
+    (plan,) = batch._backend_plans.values()
+    return plan
+
+
+@pytest.mark.parametrize("head_size,bulk", [(64, True), (96, True), (128, True), (256, True), (80, False)])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("num_kv_heads,block_size", [(8, 16), (4, 32), (8, 128)])
+def test_bulk_staging(kv_dtype, head_size, bulk, num_kv_heads, block_size):
+    """Rows staged by sm_90's bulk copies (4 or 8 KV heads a block, head sizes at a
+    class boundary), including partial tiles, pages past a sequence's end and
+    spec-decode rows; head size 80 (padded to 96) keeps per-thread copies."""
+    rng = np.random.default_rng(head_size + num_kv_heads)
+    batch = paged_batch(rng, [1, 37, 700, 2048], [1, 1, 3, 1], block_size)
+    cache = host_cache(rng, batch, kv_dtype, head_size, num_kv_heads, block_size, np.float16, "default")
+    query = rng.standard_normal((batch.num_queries, 4 * num_kv_heads, head_size)).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    expected = reference.paged_attention(query, cache, **args)
+    view = device_view(cache)
+    plan = _attention_plan(cupy.asarray(query), view, args)
+    capable = int(cupy.cuda.Device().compute_capability) >= 90
+    assert plan.kernel.bulk == (bulk and capable), plan.kernel
+    out = from_device(kc.paged_attention(cupy.asarray(query), view, **args), np.float32)
+    check(f"{kv_dtype} d={head_size} Hk={num_kv_heads} B={block_size}", out, expected, np.float32)
+
+
+def test_one_batch_plan_serves_caches_of_every_format():
+    """A batch planned once and passed with caches of other KV dtypes: each call
+    gets its own kernel (the plan is keyed by the cache's format and layout)."""
+    rng = np.random.default_rng(21)
+    batch = paged_batch(rng, [300, 1000], [1, 1], 16)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    query = rng.standard_normal((2, 32, 128)).astype(np.float32)
+    shared = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=2)
+    for kv_dtype in KV_DTYPES:
+        cache = host_cache(rng, batch, kv_dtype, 128, 8, 16, np.float16, "default")
+        expected = reference.paged_attention(query, cache, **args)
+        out = from_device(kc.paged_attention(cupy.asarray(query), device_view(cache), batch=shared), np.float32)
+        check(f"{kv_dtype} on a shared plan", out, expected, np.float32)
+    assert len(shared._backend_plans) == len(KV_DTYPES)

@@ -48,7 +48,7 @@ class Kernel:
     m_tiles: int        # 8 query rows each
     tile: int           # tokens per pipeline stage
     chunk: int          # bytes per cp.async (1: plain byte loads)
-    fast_staging: bool = False   # attention.cuh's KVC_FAST_STAGING
+    bulk: bool = False  # stage rows with sm_90's bulk copies (attention.cuh's KVC_BULK)
 
     @property
     def blocks_per_sm(self) -> int:
@@ -64,7 +64,7 @@ class Kernel:
         return {"KVC_ATTN_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_HEADS": self.heads,
                 "KVC_M_TILES": self.m_tiles, "KVC_TILE": self.tile, "KVC_STAGES": STAGES,
                 "KVC_CHUNK": self.chunk, "KVC_MIN_BLOCKS": self.blocks_per_sm,
-                "KVC_FAST_STAGING": int(self.fast_staging)}
+                "KVC_BULK": int(self.bulk)}
 
     @property
     def row_bytes(self) -> int:
@@ -77,7 +77,7 @@ class Kernel:
         heads_bytes = self.heads * self.row_bytes
         token_stride = heads_bytes + (0 if heads_bytes % 32 == 16 else 16)
         stage = 2 * self.tile * token_stride + 2 * self.tile * self.heads * 4
-        return STAGES * stage
+        return STAGES * stage + (8 * STAGES if self.bulk else 0)   # + one mbarrier a stage
 
 
 def kv_code(cache) -> int:
@@ -106,7 +106,25 @@ def _copy_granule(cache, row_bytes: int) -> int:
     return 1
 
 
-def _choose_kernel(cache, kv: int, rows_per_sequence: int) -> Kernel:
+def _bulk_copies_fit(cache, kv: int, heads: int, stored_row: int, head_pad: int, capability: int) -> bool:
+    """Whether a block's rows of K, V (and scales) can be staged by bulk copies: sm_90
+    or newer, every head of a row stored side by side at the unpadded size, and each
+    copy (all `heads` of one token) 16-byte sized and aligned, as cp.async.bulk needs."""
+    if capability < 90 or cache.head_size != head_pad or (heads * stored_row) % 16:
+        return False
+    arrays = [(cache.key_cache, stored_row), (cache.value_cache, stored_row)]
+    if kv in (KV_INT4, KV_INT8, KV_FP8):
+        if heads < 4:   # a token's scales for fewer heads are under 16 bytes
+            return False
+        arrays += [(cache.k_scale_cache, 4), (cache.v_scale_cache, 4)]
+    for array, head_bytes in arrays:
+        block_stride, slot_stride, head_stride = array.strides[:3]
+        if head_stride != head_bytes or block_stride % 16 or slot_stride % 16 or array.data.ptr % 16:
+            return False
+    return True
+
+
+def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int) -> Kernel:
     head_pad = -(-cache.head_size // HEAD_CLASS) * HEAD_CLASS
     m_tiles = 2 if rows_per_sequence > 8 and head_pad <= MAX_HEAD_PAD_TWO_TILES else 1
     stored_row = cache.head_size * (4 if kv == KV_INT4 else 8 if kv in (KV_INT8, KV_FP8) else 16) // 8
@@ -116,8 +134,9 @@ def _choose_kernel(cache, kv: int, rows_per_sequence: int) -> Kernel:
         if num_kv_heads % heads:
             continue
         for tile in (32, 16):
-            kernel = Kernel(kv, head_pad, heads, m_tiles, tile, _copy_granule(cache, stored_row))
-            if kernel.shared_bytes <= STAGES * STAGE_BYTES_TARGET:
+            bulk = 32 * heads >= 4 * tile and _bulk_copies_fit(cache, kv, heads, stored_row, head_pad, capability)
+            kernel = Kernel(kv, head_pad, heads, m_tiles, tile, _copy_granule(cache, stored_row), bulk)
+            if kernel.shared_bytes <= STAGES * STAGE_BYTES_TARGET + 8 * STAGES:
                 return kernel
             best = kernel
     return best
@@ -171,7 +190,7 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
     offsets = batch.host_query_offsets
     query_lens = None if offsets is None else np.diff(offsets)
     max_rows = group * (int(query_lens.max(initial=1)) if query_lens is not None else num_query_tokens)
-    kernel = _choose_kernel(cache, kv, max_rows)
+    kernel = _choose_kernel(cache, kv, max_rows, _compute_capability(device))
     rows_per_tile = 8 * kernel.m_tiles
     if query_lens is not None:
         row_tiles = -(-query_lens * group // rows_per_tile)
@@ -192,6 +211,11 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
     split_tokens = -(-split_tokens // kernel.tile) * kernel.tile
     splits = -(-longest // split_tokens)
     return Plan(kernel, _upload(tiles, device), len(tiles), splits, split_tokens, head_groups)
+
+
+def _compute_capability(device) -> int:
+    import cupy
+    return int(cupy.cuda.Device(device.index).compute_capability)
 
 
 def _upload(array: np.ndarray, device):
@@ -308,11 +332,12 @@ def specialisations(all: bool) -> list:
                 for heads in (8, 4):
                     for m_tiles in (1, 2) if head_pad <= MAX_HEAD_PAD_TWO_TILES else (1,):
                         tile = 32 if kv == KV_INT4 else 16
-                        kernels.append(Kernel(kv, head_pad, heads, m_tiles, tile, 16))
+                        # Both stagings: bulk copies on sm_90 where the rows allow them.
+                        kernels += [Kernel(kv, head_pad, heads, m_tiles, tile, 16, bulk) for bulk in (False, True)]
     else:
-        kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16), Kernel(KV_INT4, 96, 8, 2, 32, 4),
+        kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, True), Kernel(KV_INT4, 96, 8, 2, 32, 4),
                    Kernel(KV_INT4, 64, 2, 1, 32, 1), Kernel(KV_INT8, 256, 8, 1, 16, 16),
-                   Kernel(KV_FP8, 128, 4, 2, 16, 16), Kernel(KV_F16, 128, 4, 1, 16, 16),
+                   Kernel(KV_FP8, 128, 4, 2, 16, 16, True), Kernel(KV_F16, 128, 4, 1, 16, 16),
                    Kernel(KV_BF16, 96, 4, 1, 16, 8)]
     found += [Specialisation("attention", ("paged_attention",), kernel.defines) for kernel in kernels]
     return found
