@@ -68,20 +68,35 @@ struct Traits {
   static constexpr int kRowBytes = HEAD_PAD * kDimBits / 8;
   static constexpr int kKChunks = HEAD_PAD / 16;   // k steps of the score product
   static constexpr int kDimTiles = HEAD_PAD / 16;  // M tiles of the output product
-  // Token strides in shared memory, in bytes. Keys: 8 lanes (one per token)
-  // read 16 consecutive bytes each per load, so a stride that is an odd
-  // multiple of 16 modulo 128 puts the 8 tokens in distinct banks. Values: 4
-  // tokens (2t) read 16 bytes each: an odd multiple of 16 keeps 2*stride an
-  // odd multiple of 32, distinct again.
+  // What one lane reads of a token's row in shared memory: a key row is read by
+  // the 4 lanes t of a token, kKeyWords 32-bit words each, in vectors of
+  // kKeyVector words (vector i of lane t at word (4 i + t) kKeyVector); a value
+  // row by the 8 lanes g, kValueUnits 16-bit units each, in vectors of
+  // kValueVector units (vector i of lane g at unit (8 i + g) kValueVector).
   static constexpr int kHeadsBytes = HEADS * kRowBytes;
-  static constexpr int kTokenStride = kHeadsBytes + (kHeadsBytes % 32 == 16 ? 0 : 16);
-  static constexpr int kKeyBytes = TILE * kTokenStride;
+  static constexpr int kKeyWords = kRowBytes / 16;
+  static constexpr int kKeyVector = kKeyWords % 4 == 0 ? 4 : kKeyWords % 2 == 0 ? 2 : 1;
+  static constexpr int kValueUnits = kRowBytes / 16;
+  static constexpr int kValueVector =
+      kValueUnits % 8 == 0 ? 8 : kValueUnits % 4 == 0 ? 4 : kValueUnits % 2 == 0 ? 2 : 1;
+  // Token strides in shared memory, in bytes, free of bank conflicts. Keys: a
+  // load's wavefront takes 128 / (4 lanes x A bytes) tokens g, A = 4 kKeyVector,
+  // each reading 4A consecutive bytes: a stride of 4A modulo 8A places them side by side.
+  // Values: the 4 tokens 2t of a wavefront read at most 32 consecutive bytes
+  // each: a stride of 16 modulo 32 keeps 2 x stride an odd multiple of 32.
+  static constexpr __host__ __device__ int padded(int bytes, int a) {
+    return bytes + ((a - bytes % (2 * a)) + 2 * a) % (2 * a);
+  }
+  static constexpr int kKeyStride = padded(kHeadsBytes, 16 * kKeyVector);
+  static constexpr int kValueStride = padded(kHeadsBytes, 16);
+  static constexpr int kKeyBytes = TILE * kKeyStride;
+  static constexpr int kValueBytes = TILE * kValueStride;
   static constexpr int kScaleBytes = TILE * HEADS * 4;
-  static constexpr int kStageBytes = 2 * kKeyBytes + 2 * kScaleBytes;
+  static constexpr int kStageBytes = kKeyBytes + kValueBytes + 2 * kScaleBytes;
   // Bulk staging: STAGES mbarriers after the stages.
   static constexpr int kBarrierOffset = STAGES * kStageBytes;
   static constexpr int kSharedBytes = kBarrierOffset + (KVC_BULK ? 8 * STAGES : 0);
-  static_assert(kTokenStride % 32 == 16, "token stride: an odd multiple of 16 bytes");
+  static_assert(kKeyStride % (32 * kKeyVector) == 16 * kKeyVector && kValueStride % 32 == 16, "strides");
 };
 
 struct Params {
@@ -221,47 +236,32 @@ __device__ __forceinline__ float sum_over_quad(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// --- channel permutations ---------------------------------------------------
-// Key: lane (g, t) reads word w of a row at word index 4w + t (4 lanes of one
-// token read 16 consecutive bytes). Each word becomes fp16 pairs that are the
-// B fragment's {b0, b1} (logical dims 16 kc + 2t + {0, 1}) and {b2, b3}
-// (16 kc + 8 + 2t + {0, 1}). key_dim_of maps a logical dim to the cache's
-// channel (the stored value's index in the row).
+// --- what a lane reads of a row ------------------------------------------------
 
-template <int KV>
-__device__ __forceinline__ int key_dim_of(int logical) {
-  int kc = logical >> 4, pos = logical & 15;
-  int high8 = pos >> 3, t = (pos & 7) >> 1, half = pos & 1;
-  if (KV == KV_INT4) {
-    // word w = kc / 2 holds nibbles n0..n7; pair k = (n_k, n_{k+4}), k = 2 (kc % 2) + high8.
-    int w = kc >> 1, k = 2 * (kc & 1) + high8, n = k + 4 * half;
-    return 8 * (4 * w + t) + n;
-  } else if (KV == KV_INT8 || KV == KV_FP8) {
-    int w = kc, byte = 2 * high8 + half;
-    return 4 * (4 * w + t) + byte;
-  } else {
-    int w = 2 * kc + high8;
-    return 2 * (4 * w + t) + half;
-  }
+// Lane `lane` of the LANES lanes that read one row takes its bytes in vectors
+// of VEC bytes, vector i at byte (LANES i + lane) VEC: the offset in the row
+// of its byte b.
+template <int VEC, int LANES>
+__device__ __forceinline__ int lane_byte_offset(int lane, int b) {
+  return (b / VEC) * (LANES * VEC) + lane * VEC + b % VEC;
 }
 
-// Value: lane (g, t) reads 16-bit unit u of a token row at unit index 8u + g
-// (8 lanes of one token read 16 consecutive bytes), for the tokens of the A
-// fragment's columns (2t, 2t+1, 2t+8, 2t+9). value_dim_of maps a logical dim
-// (16 md + g + 8 r) to the cache's channel.
-template <int KV>
-__device__ __forceinline__ int value_dim_of(int logical) {
-  int md = logical >> 4, pos = logical & 15, g = pos & 7, r = pos >> 3;
-  if (KV == KV_INT4) {
-    // unit u holds bytes 2u, 2u+1 = dims md = 2u, 2u+1; low nibble row g, high row g+8.
-    int u = md >> 1, k = md & 1;
-    return 2 * (2 * (8 * u + g) + k) + r;
-  } else if (KV == KV_INT8 || KV == KV_FP8) {
-    int u = md;
-    return 2 * (8 * u + g) + r;
+// Vector i of VEC bytes of lane `lane`'s share of `row` into words[VEC / 4 i ...]
+// (VEC = 2: into the low or high half of words[i / 2]).
+template <int VEC, int LANES>
+__device__ __forceinline__ void load_lane_vector(const u8* row, int lane, int i, u32* words) {
+  const u8* at = row + (i * LANES + lane) * VEC;
+  if constexpr (VEC == 16) {
+    const uint4 v = *reinterpret_cast<const uint4*>(at);
+    words[4 * i] = v.x, words[4 * i + 1] = v.y, words[4 * i + 2] = v.z, words[4 * i + 3] = v.w;
+  } else if constexpr (VEC == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(at);
+    words[2 * i] = v.x, words[2 * i + 1] = v.y;
+  } else if constexpr (VEC == 4) {
+    words[i] = *reinterpret_cast<const u32*>(at);
   } else {
-    int u = 2 * md + r;
-    return 8 * u + g;
+    const u32 unit = *reinterpret_cast<const u16*>(at);
+    words[i / 2] = i % 2 ? words[i / 2] | (unit << 16) : unit;
   }
 }
 
@@ -325,7 +325,7 @@ struct Attention {
                                                     int lo, int hi, int block_shift, int pages) {
     u8* keys = smem + stage * T::kStageBytes;
     u8* values = keys + T::kKeyBytes;
-    u8* key_scales = values + T::kKeyBytes;
+    u8* key_scales = values + T::kValueBytes;
     u8* value_scales = key_scales + T::kScaleBytes;
     const int first_page = base >> block_shift;
     constexpr int kPieces = T::kRowBytes / (CHUNK == 1 ? 4 : CHUNK);
@@ -345,8 +345,8 @@ struct Attention {
       const bool valid_token = block >= 0 && position >= lo && position < hi;
       const long long slot = position & (p.block_size - 1);
       const int offset = piece * (CHUNK == 1 ? 4 : CHUNK);
-      u8* key_dst = keys + token * T::kTokenStride + head * T::kRowBytes + offset;
-      u8* value_dst = values + token * T::kTokenStride + head * T::kRowBytes + offset;
+      u8* key_dst = keys + token * T::kKeyStride + head * T::kRowBytes + offset;
+      u8* value_dst = values + token * T::kValueStride + head * T::kRowBytes + offset;
       const u8* key_src = p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride +
                           (head0 + head) * p.k_head_stride + offset;
       const u8* value_src = p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride +
@@ -407,12 +407,12 @@ struct Attention {
     const u8* source;
     u32 bytes;
     if (kind < 2) {
-      destination = keys + kind * T::kKeyBytes + token * T::kTokenStride;
+      destination = kind == 0 ? keys + token * T::kKeyStride : keys + T::kKeyBytes + token * T::kValueStride;
       source = kind == 0 ? p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + head0 * p.k_head_stride
                          : p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + head0 * p.v_head_stride;
       bytes = T::kHeadsBytes;
     } else {
-      destination = keys + 2 * T::kKeyBytes + (kind - 2) * T::kScaleBytes + token * HEADS * 4;
+      destination = keys + T::kKeyBytes + T::kValueBytes + (kind - 2) * T::kScaleBytes + token * HEADS * 4;
       source = kind == 2 ? p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride + head0 * p.ks_head_stride
                          : p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride + head0 * p.vs_head_stride;
       bytes = HEADS * 4;
@@ -443,51 +443,105 @@ struct Attention {
     return KV == KV_INT4 ? __uint_as_float(bits & ~0xFu) : __uint_as_float(bits);
   }
 
-  // OFFSET + zero-point of two tokens as an fp16 pair (int4: 0x6400 | zp is 1024 + zp).
-  static __device__ __forceinline__ u32 offset_pair(u32 bits_a, u32 bits_b) {
-    if constexpr (KV == KV_INT4) return (0x6400u | (bits_a & 0xFu)) | ((0x6400u | (bits_b & 0xFu)) << 16);
+  static __device__ __forceinline__ float zero_point_of(u32 bits) { return KV == KV_INT4 ? float(bits & 0xFu) : 0.f; }
+
+  // int4 codes enter the products as OFFSET + code for the low nibble of each
+  // byte and OFFSET + 16 code for the high one (no shift needed to place it):
+  // logical dims 16 kc + 8.. 15 of the keys (the query there is divided by 16)
+  // and output rows g + 8 of the values (the sums there are divided by 16).
+  static constexpr float kHighNibble = KV == KV_INT4 ? 16.f : 1.f;
+
+  // OFFSET + zero-point (x16 for high nibbles) of two tokens as an fp16 pair.
+  static __device__ __forceinline__ u32 offset_pair(u32 bits_a, u32 bits_b, bool high) {
+    if constexpr (KV == KV_INT4) {
+      const int shift = high ? 4 : 0;
+      return (0x6400u | ((bits_a & 0xFu) << shift)) | ((0x6400u | ((bits_b & 0xFu) << shift)) << 16);
+    }
     return kOffsetHalf | (kOffsetHalf << 16);
   }
 
-  static __device__ __forceinline__ float offset_of(u32 bits) {
-    return KV == KV_INT4 ? kOffsetValue + float(bits & 0xFu) : kOffsetValue;
-  }
+  // Channel permutations: key_dim_of / value_dim_of map a logical dim of the
+  // products to the cache's channel (the stored value's index in the row).
+  static constexpr int kKeyVecBytes = 4 * T::kKeyVector;
+  static constexpr int kValueVecBytes = 2 * T::kValueVector;
 
-  // The B fragment {b0b1, b2b3} of k step kc from one token's key row: OFFSET + code.
-  static __device__ __forceinline__ void key_fragment(const u32* row, int t, int kc, u32& b0, u32& b1) {
+  // Keys: lane t's word w becomes fp16 pairs that are the B fragment's {b0, b1}
+  // (logical dims 16 kc + 2t + {0, 1}) and {b2, b3} (16 kc + 8 + 2t + {0, 1}).
+  static __device__ __forceinline__ int key_dim_of(int logical) {
+    const int kc = logical >> 4, pos = logical & 15;
+    const int high8 = pos >> 3, t = (pos & 7) >> 1, half = pos & 1;
     if constexpr (KV == KV_INT4) {
-      const u32 word = row[4 * (kc >> 1) + t];
-      const int shift = (kc & 1) ? 8 : 0;
-      b0 = lop_and_or(word >> shift, 0x000F000Fu, 0x64006400u);
-      b1 = lop_and_or(word >> (shift + 4), 0x000F000Fu, 0x64006400u);
-    } else if constexpr (KV == KV_INT8) {
-      const u32 word = row[4 * kc + t];
-      b0 = (prmt(word, 0u, 0x4140u) ^ 0x00800080u) | 0x64006400u;
-      b1 = (prmt(word, 0u, 0x4342u) ^ 0x00800080u) | 0x64006400u;
-    } else if constexpr (KV == KV_FP8) {
-      const u32 word = row[4 * kc + t];
-      b0 = fp8_pair(prmt(word, 0u, 0x1404u));
-      b1 = fp8_pair(prmt(word, 0u, 0x3424u));
+      // word kc / 2, nibbles n0..n7: pair (n_k, n_{k+4}), k = 2 (kc % 2) + high8.
+      const int n = 2 * (kc & 1) + high8 + 4 * half;
+      return 2 * lane_byte_offset<kKeyVecBytes, 4>(t, 4 * (kc >> 1) + n / 2) + n % 2;
+    } else if constexpr (KV == KV_INT8 || KV == KV_FP8) {
+      return lane_byte_offset<kKeyVecBytes, 4>(t, 4 * kc + 2 * high8 + half);
     } else {
-      b0 = row[4 * (2 * kc) + t];
-      b1 = row[4 * (2 * kc + 1) + t];
+      return lane_byte_offset<kKeyVecBytes, 4>(t, 4 * (2 * kc + high8) + 2 * half) / 2;
     }
   }
 
-  // The A fragment of output M tile md from the rows of tokens 2t, 2t+1, 2t+8, 2t+9: OFFSET + code.
-  static __device__ __forceinline__ void value_fragment(const u16* r0, const u16* r1, const u16* r2, const u16* r3,
-                                                       int g, int md, u32 (&a)[4]) {
+  // Values: lane g's 16-bit unit u, for the tokens of the A fragment's columns
+  // (2t, 2t+1, 2t+8, 2t+9), gives rows g (r = 0) and g + 8 (r = 1) of M tile md:
+  // logical dim 16 md + g + 8 r.
+  static __device__ __forceinline__ int value_dim_of(int logical) {
+    const int md = logical >> 4, pos = logical & 15, g = pos & 7, r = pos >> 3;
     if constexpr (KV == KV_INT4) {
-      const int u = md >> 1, shift = (md & 1) ? 8 : 0;
-      const u32 c01 = u32(r0[8 * u + g]) | (u32(r1[8 * u + g]) << 16);
-      const u32 c23 = u32(r2[8 * u + g]) | (u32(r3[8 * u + g]) << 16);
-      a[0] = lop_and_or(c01 >> shift, 0x000F000Fu, 0x64006400u);
-      a[1] = lop_and_or(c01 >> (shift + 4), 0x000F000Fu, 0x64006400u);
-      a[2] = lop_and_or(c23 >> shift, 0x000F000Fu, 0x64006400u);
-      a[3] = lop_and_or(c23 >> (shift + 4), 0x000F000Fu, 0x64006400u);
+      // unit md / 2, byte md % 2: low nibble row g, high nibble row g + 8.
+      return 2 * lane_byte_offset<kValueVecBytes, 8>(g, md) + r;
     } else if constexpr (KV == KV_INT8 || KV == KV_FP8) {
-      const u32 c01 = u32(r0[8 * md + g]) | (u32(r1[8 * md + g]) << 16);
-      const u32 c23 = u32(r2[8 * md + g]) | (u32(r3[8 * md + g]) << 16);
+      return lane_byte_offset<kValueVecBytes, 8>(g, 2 * md + r);
+    } else {
+      return lane_byte_offset<kValueVecBytes, 8>(g, 2 * (2 * md + r)) / 2;
+    }
+  }
+
+  // The B fragment {b0b1, b2b3} of k step kc from lane t's words of one token's key row.
+  static __device__ __forceinline__ void key_fragment(const u32* words, int kc, u32& b0, u32& b1) {
+    if constexpr (KV == KV_INT4) {
+      const u32 word = (kc & 1) ? words[kc >> 1] >> 8 : words[kc >> 1];
+      b0 = lop_and_or(word, 0x000F000Fu, 0x64006400u);
+      b1 = lop_and_or(word, 0x00F000F0u, 0x64006400u);
+    } else if constexpr (KV == KV_INT8) {
+      b0 = (prmt(words[kc], 0u, 0x4140u) ^ 0x00800080u) | 0x64006400u;
+      b1 = (prmt(words[kc], 0u, 0x4342u) ^ 0x00800080u) | 0x64006400u;
+    } else if constexpr (KV == KV_FP8) {
+      b0 = fp8_pair(prmt(words[kc], 0u, 0x1404u));
+      b1 = fp8_pair(prmt(words[kc], 0u, 0x3424u));
+    } else {
+      b0 = words[2 * kc];
+      b1 = words[2 * kc + 1];
+    }
+  }
+
+  // Lane g's 16-bit unit u of two tokens' value rows as one word (first token low).
+  static __device__ __forceinline__ u32 unit_pair(const u32* first, const u32* second, int u) {
+    return prmt(first[u >> 1], second[u >> 1], (u & 1) ? 0x7632u : 0x5410u);
+  }
+
+  // The word of lane t's share of a key row that holds k step kc (f16: and the next).
+  static constexpr __host__ __device__ int key_word_of(int kc) {
+    return KV == KV_INT4 ? kc >> 1 : KV == KV_INT8 || KV == KV_FP8 ? kc : 2 * kc;
+  }
+
+  // The 16-bit unit of lane g's share of a value row that holds M tile md's rows.
+  static constexpr __host__ __device__ int value_unit_of(int md) {
+    return KV == KV_INT4 ? md >> 1 : KV == KV_INT8 || KV == KV_FP8 ? md : 2 * md;
+  }
+
+  // The A fragment of output M tile md from lane g's words of the rows of
+  // tokens 2t, 2t+1, 2t+8, 2t+9 (rows[0..3]): OFFSET + code.
+  static __device__ __forceinline__ void value_fragment(const u32* const (&rows)[4], int md, u32 (&a)[4]) {
+    const int u = value_unit_of(md);
+    if constexpr (KV == KV_INT4) {
+      const int shift = (md & 1) ? 8 : 0;
+      const u32 c01 = unit_pair(rows[0], rows[1], u) >> shift, c23 = unit_pair(rows[2], rows[3], u) >> shift;
+      a[0] = lop_and_or(c01, 0x000F000Fu, 0x64006400u);
+      a[1] = lop_and_or(c01, 0x00F000F0u, 0x64006400u);
+      a[2] = lop_and_or(c23, 0x000F000Fu, 0x64006400u);
+      a[3] = lop_and_or(c23, 0x00F000F0u, 0x64006400u);
+    } else if constexpr (KV == KV_INT8 || KV == KV_FP8) {
+      const u32 c01 = unit_pair(rows[0], rows[1], u), c23 = unit_pair(rows[2], rows[3], u);
       if constexpr (KV == KV_INT8) {
         a[0] = (prmt(c01, 0u, 0x4240u) ^ 0x00800080u) | 0x64006400u;
         a[1] = (prmt(c01, 0u, 0x4341u) ^ 0x00800080u) | 0x64006400u;
@@ -500,11 +554,10 @@ struct Attention {
         a[3] = fp8_pair(prmt(c23, 0u, 0x3414u));
       }
     } else {
-      const int u = 2 * md;
-      a[0] = u32(r0[8 * u + g]) | (u32(r1[8 * u + g]) << 16);
-      a[1] = u32(r0[8 * (u + 1) + g]) | (u32(r1[8 * (u + 1) + g]) << 16);
-      a[2] = u32(r2[8 * u + g]) | (u32(r3[8 * u + g]) << 16);
-      a[3] = u32(r2[8 * (u + 1) + g]) | (u32(r3[8 * (u + 1) + g]) << 16);
+      a[0] = unit_pair(rows[0], rows[1], u);
+      a[1] = unit_pair(rows[0], rows[1], u + 1);
+      a[2] = unit_pair(rows[2], rows[3], u);
+      a[3] = unit_pair(rows[2], rows[3], u + 1);
     }
   }
 
@@ -548,9 +601,11 @@ struct Attention {
     const int* table = p.block_table + static_cast<long long>(seq) * p.table_width;
 
     // Query fragments: rows 0-7 of each M tile the high fp16 part, rows 8-15 the low;
-    // query_sum: the row's sum as the products see it (hi + lo), for the code offsets.
+    // offset_weight, zero_point_weight: what the products' code offsets add to a
+    // score, per unit of OFFSET and of zero-point (sums of the row as the products
+    // see it, hi + lo, with high int4 nibbles' dims counted 16 times for the codes).
     u32 qa[M_TILES][KC][4];
-    float row_unscale[M_TILES], query_sum[M_TILES];
+    float row_unscale[M_TILES], offset_weight[M_TILES], zero_point_weight[M_TILES];
     int row_position[M_TILES];
     bool row_valid[M_TILES];
 #pragma unroll
@@ -568,7 +623,7 @@ struct Attention {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int logical = 16 * kc + 2 * t + (i & 1) + 8 * (i >> 1);
-          const int channel = key_dim_of<KV>(logical);
+          const int channel = key_dim_of(logical);
           values[kc][i] = row_valid[mt] && channel < p.head_size ? q[channel] : 0.f;
           largest = fmaxf(largest, fabsf(values[kc][i]));
         }
@@ -579,23 +634,26 @@ struct Attention {
       frexpf(largest, &exponent);
       const float up = largest > 0.f && isfinite(largest) ? ldexpf(1.f, 14 - exponent) : 1.f;
       row_unscale[mt] = 1.f / up;
-      float sum = 0.f;
+      float sum = 0.f, code_sum = 0.f;
 #pragma unroll
       for (int kc = 0; kc < KC; ++kc) {
         float hi[4], lo[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const float v = values[kc][i] * up;
+          const float high = i >= 2 ? kHighNibble : 1.f;   // dims 16 kc + 8.. (exact: a power of two)
+          const float v = values[kc][i] * up / high;
           hi[i] = unpack(pack(v, 0.f)).x;
           lo[i] = unpack(pack(v - hi[i], 0.f)).x;
           sum += hi[i] + lo[i];
+          code_sum += (hi[i] + lo[i]) * high;
         }
         qa[mt][kc][0] = pack(hi[0], hi[1]);
         qa[mt][kc][1] = pack(lo[0], lo[1]);
         qa[mt][kc][2] = pack(hi[2], hi[3]);
         qa[mt][kc][3] = pack(lo[2], lo[3]);
       }
-      query_sum[mt] = sum_over_quad(sum);
+      offset_weight[mt] = kOffsetValue * sum_over_quad(sum);
+      zero_point_weight[mt] = sum_over_quad(code_sum);
     }
 
     // Extremes over the tile's valid rows (the same in every warp): masks can be
@@ -615,7 +673,8 @@ struct Attention {
     }
 
     float out[MD][M_TILES][4];
-    float offset_sum[M_TILES][4];   // sum_j p'_j (OFFSET + zp_j) per row, as out's layout (dim row 0)
+    // sum_j p'_j (OFFSET + zp_j) per row in out's layout for dim row 0, and (OFFSET + 16 zp_j) for dim row 8.
+    float offset_sum[M_TILES][4];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -673,7 +732,7 @@ struct Attention {
       const u8* keys = smem + (tile % STAGES) * T::kStageBytes + warp * T::kRowBytes;
       const u8* values = keys + T::kKeyBytes;
       const u32* key_scales = reinterpret_cast<const u32*>(smem + (tile % STAGES) * T::kStageBytes +
-                                                           2 * T::kKeyBytes) + warp;
+                                                           T::kKeyBytes + T::kValueBytes) + warp;
       const u32* value_scales = key_scales + TILE * HEADS;
 
 #pragma unroll 1
@@ -688,24 +747,30 @@ struct Attention {
             for (int i = 0; i < 4; ++i) score[mt][nt][i] = 0.f;
   #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const u32* row = reinterpret_cast<const u32*>(keys + (step * 16 + nt * 8 + g) * T::kTokenStride);
+          const u8* row = keys + (step * 16 + nt * 8 + g) * T::kKeyStride;
+          u32 words[T::kKeyWords];
   #pragma unroll
-          for (int kc = 0; kc < KC; ++kc) {
-            u32 b0, b1;
-            key_fragment(row, t, kc, b0, b1);
+          for (int vector = 0; vector < T::kKeyWords / T::kKeyVector; ++vector) {
+            load_lane_vector<kKeyVecBytes, 4>(row, t, vector, words);
   #pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) mma<kBf16>(score[mt][nt], qa[mt][kc], b0, b1);
+            for (int kc = 0; kc < KC; ++kc) {
+              if (key_word_of(kc) / T::kKeyVector != vector) continue;
+              u32 b0, b1;
+              key_fragment(words, kc, b0, b1);
+  #pragma unroll
+              for (int mt = 0; mt < M_TILES; ++mt) mma<kBf16>(score[mt][nt], qa[mt][kc], b0, b1);
+            }
           }
         }
         // This thread's column tokens: nt*8 + 2t + {0, 1}, i = 2 nt + {0, 1}.
-        float key_scale[2 * NT], value_scale[2 * NT], key_offset[2 * NT];
+        float key_scale[2 * NT], value_scale[2 * NT], key_zero_point[2 * NT];
         u32 value_bits[2 * NT];
   #pragma unroll
         for (int i = 0; i < 2 * NT; ++i) {
           const int column = step * 16 + (i >> 1) * 8 + 2 * t + (i & 1);
           const u32 key_bits = kQuantized ? key_scales[column * HEADS] : 0u;
           key_scale[i] = kQuantized ? scale_of(key_bits) * kCodeUnit : 1.f;
-          key_offset[i] = kOffset ? offset_of(key_bits) : 0.f;
+          key_zero_point[i] = zero_point_of(key_bits);
           value_bits[i] = kQuantized ? value_scales[column * HEADS] : 0u;
           value_scale[i] = kQuantized ? scale_of(value_bits[i]) * kCodeUnit : 1.f;
         }
@@ -738,16 +803,23 @@ struct Attention {
           for (int i = 0; i < 2 * NT; ++i) {
             const int nt = i >> 1, c = i & 1;
             float raw = score[mt][nt][c] + score[mt][nt][c + 2];
-            if constexpr (kOffset) raw -= key_offset[i] * query_sum[mt];
+            if constexpr (KV == KV_INT4) raw -= fmaf(key_zero_point[i], zero_point_weight[mt], offset_weight[mt]);
+            else if constexpr (kOffset) raw -= offset_weight[mt];
             float v = raw * row_unscale[mt] * key_scale[i];
             if (p.softcap > 0.f) v = p.softcap * tanhf(v / p.softcap);
-            const int position = step_first + nt * 8 + 2 * t + c;
-            const bool visible = all_visible || (row_valid[mt] && position < key_hi &&
-                                                 position <= row_position[mt] &&
-                                                 (p.window == 0 || position > row_position[mt] - p.window));
-            s[i] = visible ? v : -KVC_INFINITY;
-            tile_max = fmaxf(tile_max, s[i]);
+            s[i] = v;
           }
+          if (!all_visible) {   // uniform across the warp: a branch, not selects on every score
+  #pragma unroll
+            for (int i = 0; i < 2 * NT; ++i) {
+              const int position = step_first + (i >> 1) * 8 + 2 * t + (i & 1);
+              const bool visible = row_valid[mt] && position < key_hi && position <= row_position[mt] &&
+                                   (p.window == 0 || position > row_position[mt] - p.window);
+              if (!visible) s[i] = -KVC_INFINITY;
+            }
+          }
+  #pragma unroll
+          for (int i = 0; i < 2 * NT; ++i) tile_max = fmaxf(tile_max, s[i]);
           tile_max = max_over_quad(tile_max);
           const float new_max = fmaxf(running_max[mt], tile_max);
           const float shift = new_max == -KVC_INFINITY ? 0.f : new_max;
@@ -791,32 +863,45 @@ struct Attention {
             }
             offset_sum[mt][0] *= f0;
             offset_sum[mt][1] *= f1;
+            offset_sum[mt][2] *= f0;
+            offset_sum[mt][3] *= f1;
           }
         }
   #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
           const int first = step * 16 + ks * 16;
-          const u16* r0 = reinterpret_cast<const u16*>(values + (first + 2 * t) * T::kTokenStride);
-          const u16* r1 = reinterpret_cast<const u16*>(values + (first + 2 * t + 1) * T::kTokenStride);
-          const u16* r2 = reinterpret_cast<const u16*>(values + (first + 2 * t + 8) * T::kTokenStride);
-          const u16* r3 = reinterpret_cast<const u16*>(values + (first + 2 * t + 9) * T::kTokenStride);
+          // Lane g's share of the value rows of tokens 2t, 2t+1, 2t+8, 2t+9, a vector
+          // of units at a time, each used by the M tiles it holds.
+          u32 words[4][(T::kValueUnits + 1) / 2];
+          const u32* const rows[4] = {words[0], words[1], words[2], words[3]};
   #pragma unroll
-          for (int md = 0; md < MD; ++md) {
-            u32 a[4];
-            value_fragment(r0, r1, r2, r3, g, md, a);
+          for (int vector = 0; vector < T::kValueUnits / T::kValueVector; ++vector) {
   #pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-              mma<kBf16>(out[md][mt], a, pb[mt][ks][0][0], pb[mt][ks][0][1]);
-              if constexpr (kBf16) mma<kBf16>(out[md][mt], a, pb[mt][ks][1][0], pb[mt][ks][1][1]);
+            for (int c = 0; c < 4; ++c)
+              load_lane_vector<kValueVecBytes, 8>(values + (first + 2 * t + (c & 1) + 8 * (c >> 1)) * T::kValueStride,
+                                                  g, vector, words[c]);
+  #pragma unroll
+            for (int md = 0; md < MD; ++md) {
+              if (value_unit_of(md) / T::kValueVector != vector) continue;
+              u32 a[4];
+              value_fragment(rows, md, a);
+  #pragma unroll
+              for (int mt = 0; mt < M_TILES; ++mt) {
+                mma<kBf16>(out[md][mt], a, pb[mt][ks][0][0], pb[mt][ks][0][1]);
+                if constexpr (kBf16) mma<kBf16>(out[md][mt], a, pb[mt][ks][1][0], pb[mt][ks][1][1]);
+              }
             }
           }
           if constexpr (kOffset) {
-            // One more product whose A has a single row, OFFSET + zp of each token:
-            // it sums what the offsets added to every output channel, exactly.
+            // One more product whose A has two rows, OFFSET + zp of each token for
+            // low-nibble dims (row 0) and OFFSET + 16 zp for high ones (row 8): it
+            // sums what the offsets added to every output channel, exactly.
             u32 a[4] = {0u, 0u, 0u, 0u};
             if (g == 0) {
-              a[0] = offset_pair(value_bits[4 * ks + 0], value_bits[4 * ks + 1]);
-              a[2] = offset_pair(value_bits[4 * ks + 2], value_bits[4 * ks + 3]);
+              a[0] = offset_pair(value_bits[4 * ks + 0], value_bits[4 * ks + 1], false);
+              a[1] = offset_pair(value_bits[4 * ks + 0], value_bits[4 * ks + 1], true);
+              a[2] = offset_pair(value_bits[4 * ks + 2], value_bits[4 * ks + 3], false);
+              a[3] = offset_pair(value_bits[4 * ks + 2], value_bits[4 * ks + 3], true);
             }
   #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) mma<kBf16>(offset_sum[mt], a, pb[mt][ks][0][0], pb[mt][ks][0][1]);
@@ -834,13 +919,16 @@ struct Attention {
       const float sum = sum_over_quad(running_sum[mt]);
       const int row = row_begin + mt * 8 + g;
       if (t == 0 && row_valid[mt]) {
-        const long long index = (split_rows + q_begin + row / p.group) * p.num_heads + kv_head * p.group + row % p.group;
+        const long long index =
+            (split_rows + q_begin + row / p.group) * p.num_heads + kv_head * p.group + row % p.group;
         p.part_stats[2 * index] = running_max[mt];
         p.part_stats[2 * index + 1] = sum;
       }
-      // The offsets' sums for rows 2t, 2t+1 sit in lane t (groupID 0).
-      const float offset0 = kOffset ? __shfl_sync(0xffffffffu, offset_sum[mt][0], t) : 0.f;
-      const float offset1 = kOffset ? __shfl_sync(0xffffffffu, offset_sum[mt][1], t) : 0.f;
+      // The offsets' sums for rows 2t, 2t+1 sit in lane t (groupID 0): [c] for
+      // output rows g, [c + 2] for rows g + 8.
+      float offsets[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) offsets[i] = kOffset ? __shfl_sync(0xffffffffu, offset_sum[mt][i], t) : 0.f;
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int out_row = row_begin + mt * 8 + 2 * t + c;
@@ -848,13 +936,13 @@ struct Attention {
         const long long index = (split_rows + q_begin + out_row / p.group) * p.num_heads +
                                 kv_head * p.group + out_row % p.group;
         float* destination = p.part_out + index * p.head_size;
-        const float offset = c ? offset1 : offset0;
 #pragma unroll
         for (int md = 0; md < MD; ++md) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const int channel = value_dim_of<KV>(16 * md + g + 8 * r);
-            if (channel < p.head_size) destination[channel] = (out[md][mt][c + 2 * r] - offset) * reference;
+            const int channel = value_dim_of(16 * md + g + 8 * r);
+            const float unit = r ? reference / kHighNibble : reference;
+            if (channel < p.head_size) destination[channel] = (out[md][mt][c + 2 * r] - offsets[c + 2 * r]) * unit;
           }
         }
       }

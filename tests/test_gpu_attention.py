@@ -292,3 +292,23 @@ def test_one_batch_plan_serves_caches_of_every_format():
         out = from_device(kc.paged_attention(cupy.asarray(query), device_view(cache), batch=shared), np.float32)
         check(f"{kv_dtype} on a shared plan", out, expected, np.float32)
     assert len(shared._backend_plans) == len(KV_DTYPES)
+
+
+@pytest.mark.parametrize("model_dtype", [np.float16, "bfloat16"])
+def test_auto_cache_allocated_on_the_gpu(model_dtype):
+    """An auto cache that allocate_cache made on the GPU (CuPy holds bfloat16 as
+    uint16 bits) and the GPU write path filled, against the oracle on the CPU's
+    cache of the same inputs."""
+    model_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if model_dtype == "bfloat16" else np.dtype(model_dtype)
+    rng = np.random.default_rng(8)
+    batch = paged_batch(rng, [90, 333], [1, 1], 16)
+    keys, values = (rng.standard_normal((batch.num_tokens, 8, 64)).astype(model_dtype) for _ in range(2))
+    host = kc.allocate_cache(batch.num_blocks, 16, 8, 64, "auto", dtype=model_dtype.name)
+    kc.reshape_and_cache(keys, values, host, batch.slot_mapping)
+    device = kc.allocate_cache(batch.num_blocks, 16, 8, 64, "auto", dtype=model_dtype.name, device="cuda")
+    kc.reshape_and_cache(device_query(keys), device_query(values), device, cupy.asarray(batch.slot_mapping))
+    query = rng.standard_normal((2, 32, 64)).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    out = from_device(kc.paged_attention(cupy.asarray(query), device, **args), np.float32)
+    check(f"auto {model_dtype} allocated on the GPU", out, reference.paged_attention(query, host, **args),
+          np.float32)

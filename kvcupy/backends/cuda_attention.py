@@ -74,9 +74,13 @@ class Kernel:
     @property
     def shared_bytes(self) -> int:
         """attention.cuh's Traits::kSharedBytes (the same arithmetic)."""
+        def padded(size: int, a: int) -> int:   # the next size = a modulo 2a
+            return size + (a - size % (2 * a)) % (2 * a)
         heads_bytes = self.heads * self.row_bytes
-        token_stride = heads_bytes + (0 if heads_bytes % 32 == 16 else 16)
-        stage = 2 * self.tile * token_stride + 2 * self.tile * self.heads * 4
+        lane_words = self.row_bytes // 16
+        key_vector = 4 if lane_words % 4 == 0 else 2 if lane_words % 2 == 0 else 1
+        key_stride, value_stride = padded(heads_bytes, 16 * key_vector), padded(heads_bytes, 16)
+        stage = self.tile * (key_stride + value_stride) + 2 * self.tile * self.heads * 4
         return STAGES * stage + (8 * STAGES if self.bulk else 0)   # + one mbarrier a stage
 
 
@@ -87,7 +91,8 @@ def kv_code(cache) -> int:
         return KV_INT8
     if cache.kv_dtype == "fp8_per_token_head":
         return KV_FP8
-    storage = np.dtype(cache.storage_dtype)
+    from .cuda import _cache_model_dtype   # CuPy holds bfloat16 as uint16 bits, as the write path reads them
+    storage = _cache_model_dtype(cache)
     if storage == np.float16:
         return KV_F16
     if storage == formats.MODEL_DTYPES["bfloat16"]:
