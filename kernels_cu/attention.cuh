@@ -34,10 +34,16 @@
 
 #include "types.cuh"
 
-// Staging by the bulk-copy engine (sm_90): one cp.async.bulk per token row of
-// K, V and their scales (all the block's heads side by side), completing on one
-// mbarrier per stage, instead of one cp.async per 16 bytes and thread. The
-// launcher chooses it where the rows are contiguous and 16-byte aligned.
+// Staging by the bulk-copy engine (sm_90): where a page holds the block's KV
+// heads as one contiguous run of bytes (all of the cache's heads in one
+// block), warp 0 alone copies each page's part of a tile with one
+// cp.async.bulk per tensor (K, V and their scales), completing on a "full"
+// mbarrier per stage; each warp arrives on the stage's "empty" mbarrier when
+// done with it, and warp 0 waits for that before refilling it. The other warps
+// never wait for each other. Tokens are stored unpadded there (the page's own
+// layout): some shared-memory bank conflicts, traded for a handful of copy
+// instructions a tile. The launcher chooses it (quantized caches only: a stale
+// row outside the keys is then always finite codes).
 #ifndef KVC_BULK
 #define KVC_BULK 0
 #endif
@@ -87,16 +93,18 @@ struct Traits {
   static constexpr __host__ __device__ int padded(int bytes, int a) {
     return bytes + ((a - bytes % (2 * a)) + 2 * a) % (2 * a);
   }
-  static constexpr int kKeyStride = padded(kHeadsBytes, 16 * kKeyVector);
-  static constexpr int kValueStride = padded(kHeadsBytes, 16);
+  static constexpr int kKeyStride = KVC_BULK ? kHeadsBytes : padded(kHeadsBytes, 16 * kKeyVector);
+  static constexpr int kValueStride = KVC_BULK ? kHeadsBytes : padded(kHeadsBytes, 16);
   static constexpr int kKeyBytes = TILE * kKeyStride;
   static constexpr int kValueBytes = TILE * kValueStride;
   static constexpr int kScaleBytes = TILE * HEADS * 4;
   static constexpr int kStageBytes = kKeyBytes + kValueBytes + 2 * kScaleBytes;
-  // Bulk staging: STAGES mbarriers after the stages.
+  // Bulk staging: STAGES "full" then STAGES "empty" mbarriers after the stages.
   static constexpr int kBarrierOffset = STAGES * kStageBytes;
-  static constexpr int kSharedBytes = kBarrierOffset + (KVC_BULK ? 8 * STAGES : 0);
-  static_assert(kKeyStride % (32 * kKeyVector) == 16 * kKeyVector && kValueStride % 32 == 16, "strides");
+  static constexpr int kSharedBytes = kBarrierOffset + (KVC_BULK ? 16 * STAGES : 0);
+  static_assert(KVC_BULK || (kKeyStride % (32 * kKeyVector) == 16 * kKeyVector && kValueStride % 32 == 16),
+                "strides");
+  static_assert(!KVC_BULK || (kHeadsBytes % 16 == 0 && HEADS % 4 == 0), "bulk copies: 16-byte rows");
 };
 
 struct Params {
@@ -198,6 +206,10 @@ __device__ __forceinline__ void mbarrier_arrive_expect(void* barrier, u32 bytes)
                         ::"r"(shared_address(barrier)), "r"(bytes) : "memory"));
 }
 
+__device__ __forceinline__ void mbarrier_arrive(void* barrier) {
+  KVC_SM90(asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(barrier)) : "memory"));
+}
+
 __device__ __forceinline__ void mbarrier_wait(void* barrier, u32 parity) {
   u32 done = 0;
   while (!done) {
@@ -205,12 +217,6 @@ __device__ __forceinline__ void mbarrier_wait(void* barrier, u32 parity) {
                           " selp.u32 %0, 1, 0, p;\n}\n"
                           : "=r"(done) : "r"(shared_address(barrier)), "r"(parity) : "memory"));
   }
-}
-
-// Orders this thread's earlier generic-proxy accesses to shared memory before
-// its later bulk copies into it (a stage is zero-filled by stores at times).
-__device__ __forceinline__ void fence_proxy_async() {
-  KVC_SM90(asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"));
 }
 
 __device__ __forceinline__ void bulk_copy(void* shared, const void* global, u32 bytes, void* barrier) {
@@ -385,56 +391,44 @@ struct Attention {
     }
   }
 
-  // Bulk staging (KVC_BULK): thread j < 4 TILE copies one row of tokens base ..
-  // base + TILE - 1: kind j / TILE (K, V, K scales, V scales), token j % TILE,
-  // all the block's heads at once. A token outside [lo, hi) or the cache gets
-  // zeros instead. Every thread arrives on the stage's barrier, announcing the
-  // bytes it copies.
-  static __device__ __forceinline__ void stage_tile_bulk(const Params& p, u8* smem, int stage, int head0,
-                                                         int base, int lo, int hi, int block_shift, int pages) {
-    u8* keys = smem + stage * T::kStageBytes;
-    void* barrier = smem + T::kBarrierOffset + 8 * stage;
-    const int token = threadIdx.x % TILE, kind = threadIdx.x / TILE;
-    const int position = base + token;
-    const int block = __shfl_sync(0xffffffffu, pages, ((position >> block_shift) - (base >> block_shift)) & 31);
-    const bool has_row = kind < 2 || (kQuantized && kind < 4);
-    if (!has_row) {
-      mbarrier_arrive_expect(barrier, 0);
-      return;
-    }
-    const long long slot = position & (p.block_size - 1);
-    u8* destination;
-    const u8* source;
-    u32 bytes;
-    if (kind < 2) {
-      destination = kind == 0 ? keys + token * T::kKeyStride : keys + T::kKeyBytes + token * T::kValueStride;
-      source = kind == 0 ? p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + head0 * p.k_head_stride
-                         : p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + head0 * p.v_head_stride;
-      bytes = T::kHeadsBytes;
+  // Bulk staging (KVC_BULK), by warp 0: lane 4 r + kind copies page run r of
+  // the tile (the tokens of base .. base + TILE - 1 on its r-th page) of tensor
+  // `kind` (K, V, K scales, V scales). A run on no page of the sequence, or on
+  // a block id outside the cache, is skipped: its scores are masked and its
+  // stale codes finite. Every lane arrives on the stage's full barrier,
+  // announcing the bytes it copies.
+  static __device__ __forceinline__ void stage_pages(const Params& p, u8* smem, int stage, int head0, int base,
+                                                     int block_shift, int pages) {
+    const int lane = threadIdx.x & 31;
+    const int run = lane >> 2, kind = lane & 3;
+    const int first_page = base >> block_shift;
+    const int page = first_page + run;
+    const int block = __shfl_sync(0xffffffffu, pages, run);
+    const int run_begin = max(base, page << block_shift);
+    const int run_end = min(base + TILE, (page + 1) << block_shift);
+    void* full = smem + T::kBarrierOffset + 8 * stage;
+    u32 bytes = 0;
+    if (run_begin < run_end && block >= 0) {
+      const int token = run_begin - base;
+      const long long slot = run_begin & (p.block_size - 1);
+      u8* keys = smem + stage * T::kStageBytes;
+      u8* destination;
+      const u8* source;
+      if (kind < 2) {
+        destination = keys + kind * T::kKeyBytes + token * T::kHeadsBytes;
+        source = kind == 0 ? p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + head0 * p.k_head_stride
+                           : p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + head0 * p.v_head_stride;
+        bytes = (run_end - run_begin) * T::kHeadsBytes;
+      } else {
+        destination = keys + 2 * T::kKeyBytes + (kind - 2) * T::kScaleBytes + token * HEADS * 4;
+        source = kind == 2 ? p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride + head0 * p.ks_head_stride
+                           : p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride + head0 * p.vs_head_stride;
+        bytes = (run_end - run_begin) * HEADS * 4;
+      }
+      mbarrier_arrive_expect(full, bytes);
+      bulk_copy(destination, source, bytes, full);
     } else {
-      destination = keys + T::kKeyBytes + T::kValueBytes + (kind - 2) * T::kScaleBytes + token * HEADS * 4;
-      source = kind == 2 ? p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride + head0 * p.ks_head_stride
-                         : p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride + head0 * p.vs_head_stride;
-      bytes = HEADS * 4;
-    }
-    if (block >= 0 && position >= lo && position < hi) {
-      fence_proxy_async();
-      mbarrier_arrive_expect(barrier, bytes);
-      bulk_copy(destination, source, bytes, barrier);
-    } else {
-      for (u32 b = 0; b < bytes; b += 16) *reinterpret_cast<uint4*>(destination + b) = make_uint4(0u, 0u, 0u, 0u);
-      mbarrier_arrive_expect(barrier, 0);
-    }
-  }
-
-  // One tile into stage `stage`: bulk copies, or per-thread cp.async as one commit group.
-  static __device__ __forceinline__ void stage(const Params& p, u8* smem, int stage, int head0, int base, int lo,
-                                               int hi, int block_shift, int pages) {
-    if constexpr (KVC_BULK) {
-      stage_tile_bulk(p, smem, stage, head0, base, lo, hi, block_shift, pages);
-    } else {
-      stage_tile(p, smem, stage, head0, base, lo, hi, block_shift, pages);
-      cp_async_commit();
+      mbarrier_arrive_expect(full, 0);
     }
   }
 
@@ -693,40 +687,58 @@ struct Attention {
     float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
     const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
-    if constexpr (KVC_BULK) {
-      static_assert(T::kThreads >= 4 * TILE, "bulk staging: a thread per row copy");
-      if (threadIdx.x < STAGES) mbarrier_init(smem + T::kBarrierOffset + 8 * threadIdx.x, T::kThreads);
-      __syncthreads();
-    }
+    u8* const barriers = smem + T::kBarrierOffset;   // bulk staging: full[STAGES], then empty[STAGES]
     int pages = 0;
+    if constexpr (KVC_BULK) {
+      if (threadIdx.x < STAGES) {
+        mbarrier_init(barriers + 8 * threadIdx.x, 32);                // warp 0's lanes
+        mbarrier_init(barriers + 8 * (STAGES + threadIdx.x), HEADS);  // one arrival a warp
+      }
+      __syncthreads();
+      if (warp == 0) {
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < num_tiles) {
-        pages = tile_pages(p, table, key_lo + s * TILE, key_lo, key_hi, block_shift);
-        stage(p, smem, s, head0, key_lo + s * TILE, key_lo, key_hi, block_shift, pages);
-      } else if constexpr (!KVC_BULK) {
+        for (int s = 0; s < STAGES - 1; ++s) {
+          if (s < num_tiles) {
+            pages = tile_pages(p, table, key_lo + s * TILE, key_lo, key_hi, block_shift);
+            stage_pages(p, smem, s, head0, key_lo + s * TILE, block_shift, pages);
+          }
+        }
+        pages = STAGES - 1 < num_tiles
+                    ? tile_pages(p, table, key_lo + (STAGES - 1) * TILE, key_lo, key_hi, block_shift) : 0;
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < num_tiles) {
+          pages = tile_pages(p, table, key_lo + s * TILE, key_lo, key_hi, block_shift);
+          stage_tile(p, smem, s, head0, key_lo + s * TILE, key_lo, key_hi, block_shift, pages);
+        }
         cp_async_commit();
       }
+      pages = STAGES - 1 < num_tiles
+                  ? tile_pages(p, table, key_lo + (STAGES - 1) * TILE, key_lo, key_hi, block_shift) : 0;
     }
-    pages = STAGES - 1 < num_tiles
-                ? tile_pages(p, table, key_lo + (STAGES - 1) * TILE, key_lo, key_hi, block_shift) : 0;
     for (int tile = 0; tile < num_tiles; ++tile) {
+      const int next = tile + STAGES - 1;   // the tile whose copies go out now
       if constexpr (KVC_BULK) {
-        mbarrier_wait(smem + T::kBarrierOffset + 8 * (tile % STAGES), (tile / STAGES) & 1);
-      } else {
-        cp_async_wait<STAGES - 2>();
-      }
-      // Everyone is done with the stage the next copy overwrites (tile - 1's).
-      __syncthreads();
-      {
-        const int next = tile + STAGES - 1;
-        if (next < num_tiles) {
-          stage(p, smem, next % STAGES, head0, key_lo + next * TILE, key_lo, key_hi, block_shift, pages);
+        if (warp == 0 && next < num_tiles) {
+          // Its stage last held tile - 1: wait until every warp is done with that.
+          if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
+          stage_pages(p, smem, next % STAGES, head0, key_lo + next * TILE, block_shift, pages);
           if (next + 1 < num_tiles)
             pages = tile_pages(p, table, key_lo + (next + 1) * TILE, key_lo, key_hi, block_shift);
-        } else if constexpr (!KVC_BULK) {
-          cp_async_commit();   // an empty group keeps wait_group's count in step
         }
+        mbarrier_wait(barriers + 8 * (tile % STAGES), (tile / STAGES) & 1);
+      } else {
+        cp_async_wait<STAGES - 2>();
+        // Everyone is done with the stage the next copy overwrites (tile - 1's).
+        __syncthreads();
+        if (next < num_tiles) {
+          stage_tile(p, smem, next % STAGES, head0, key_lo + next * TILE, key_lo, key_hi, block_shift, pages);
+          if (next + 1 < num_tiles)
+            pages = tile_pages(p, table, key_lo + (next + 1) * TILE, key_lo, key_hi, block_shift);
+        }
+        cp_async_commit();   // (an empty group at the end keeps wait_group's count in step)
       }
       const int base = key_lo + tile * TILE;
       const u8* keys = smem + (tile % STAGES) * T::kStageBytes + warp * T::kRowBytes;
@@ -907,6 +919,10 @@ struct Attention {
             for (int mt = 0; mt < M_TILES; ++mt) mma<kBf16>(offset_sum[mt], a, pb[mt][ks][0][0], pb[mt][ks][0][1]);
           }
         }
+      }
+      if constexpr (KVC_BULK) {   // this warp is done with the stage
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(barriers + 8 * (STAGES + tile % STAGES));
       }
     }
     cp_async_wait<0>();

@@ -213,18 +213,27 @@ def _rotation_on(plan: RotationPlan | None, device_index: int) -> cupy.ndarray:
 # values one lane holds (rotation.cuh, RotationLayout: more means fewer
 # shuffle stages but more registers), float32 -> float64 by moving bits
 # instead of the hardware conversion, the write kernel's block size, and the
-# kernels' __launch_bounds__ minimum blocks per SM. Measured on an H200 with
-# the one-item-per-group kernels: 16 values a lane beat 32 on the write path
-# (977 vs 838 GB/s; 110 registers, 4 blocks of 128 threads per SM), 32 beat
-# 16 for rotate (2345 vs 2192 GB/s at d = 128), and moving bits lost 7-14%
-# on the write path. With the persistent, prefetching kernels these defaults
-# give the write kernel 122 registers (4 blocks per SM, no spills) and rotate
-# 139 at d = 128 (3 blocks); they are yet to be measured there.
-WRITE_LANE_VALUES = 16
-ROTATE_LANE_VALUES = 32
+# kernels' __launch_bounds__ minimum blocks per SM. Measured on an H200
+# (`kvcupy bench --backend cuda --groups write,rotate`, 32768 tokens x 8 KV
+# heads at d = 128, bf16 in; 2^20 vectors for rotate), fraction of copy
+# bandwidth: a rotated write (the float64 transform's shuffles dominate) with
+# 16 / 32 values a lane: int4 0.26 / 0.28, int8 0.51 / 0.59, fp8 0.49 / 0.57;
+# an unrotated (auto) write with 16 / 8: 0.70 / 0.83. rotate at d = 96 with
+# 32 / 64: 0.50 / 0.82, other head sizes the same (their layouts cap at 32
+# columns). Moving bits lost 7-14% on the write path (an older kernel).
+# The kron mix's extra registers spill at 32 (write) and 64 (rotate) values a
+# lane: it keeps the smaller counts, as do rotations of long heads.
+WRITE_LANE_VALUES = 32           # blockdiag-rotated vectors
+WRITE_MIN_BLOCKS = 2
+WRITE_KRON_LANE_VALUES = 16
+WRITE_KRON_MIN_BLOCKS = 4
+WRITE_PLAIN_LANE_VALUES = 8      # unrotated (auto, or rotation "none")
+WRITE_PLAIN_MIN_BLOCKS = 4
+ROTATE_LANE_VALUES = 64          # blockdiag up to ROTATE_WIDE_MAX_HEAD
+ROTATE_WIDE_MAX_HEAD = 160
+ROTATE_NARROW_LANE_VALUES = 32
 WIDEN_BY_BITS = False
 WRITE_THREADS = 128
-WRITE_MIN_BLOCKS = 4
 ROTATE_MIN_BLOCKS = 1
 
 
@@ -252,7 +261,7 @@ class VectorLayout:
 
 
 @functools.lru_cache(maxsize=None)
-def vector_layout(head_size: int, plan: RotationPlan | None, lane_values: int = ROTATE_LANE_VALUES) -> VectorLayout:
+def vector_layout(head_size: int, plan: RotationPlan | None, lane_values: int) -> VectorLayout:
     """How a group of lanes holds one vector of `head_size` values under `plan`."""
     if plan is None or plan.is_identity:
         pow2 = largest_pow2_divisor(head_size)
@@ -274,13 +283,30 @@ def _cache_model_dtype(cache) -> np.dtype:
     return BFLOAT16 if cache.storage_dtype == np.uint16 else np.dtype(cache.storage_dtype)
 
 
+def _write_tuning(plan: RotationPlan | None) -> tuple[int, int]:
+    """(values a lane holds, minimum blocks per SM) of the write kernel for `plan`."""
+    if plan is None or plan.is_identity:
+        return WRITE_PLAIN_LANE_VALUES, WRITE_PLAIN_MIN_BLOCKS
+    if plan.kind == "kron":
+        return WRITE_KRON_LANE_VALUES, WRITE_KRON_MIN_BLOCKS
+    return WRITE_LANE_VALUES, WRITE_MIN_BLOCKS
+
+
+def _rotate_lane_values(head_size: int, plan: RotationPlan | None) -> int:
+    """Values a lane holds in the rotate kernel for `plan` (see the tuning notes above)."""
+    if plan is not None and plan.kind == "kron" or head_size > ROTATE_WIDE_MAX_HEAD:
+        return ROTATE_NARROW_LANE_VALUES
+    return ROTATE_LANE_VALUES
+
+
 def write_defines(head_size: int, kv_dtype: str, cache_dtype: np.dtype, input_dtype: np.dtype,
                   plan: RotationPlan | None) -> tuple:
     """The write kernel's specialisation under the current tuning: sorted (define,
     value) pairs. cache_dtype: the model dtype an auto cache stores (ignored for
     quantized caches)."""
+    lane_values, min_blocks = _write_tuning(plan)
     return _write_defines(head_size, kv_dtype, np.dtype(cache_dtype), np.dtype(input_dtype), plan,
-                          WRITE_LANE_VALUES, WIDEN_BY_BITS, WRITE_MIN_BLOCKS, WRITE_THREADS)
+                          lane_values, WIDEN_BY_BITS, min_blocks, WRITE_THREADS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -309,7 +335,7 @@ def reshape_and_cache(key, value, cache, slots) -> None:
         slot_ids = slots.on(_this, device)
         keys, values = _contiguous_rows(key.data), _contiguous_rows(value.data)
         defines = write_defines(head_size, cache.kv_dtype, _cache_model_dtype(cache), key.dtype, cache.rotation)
-        layout = vector_layout(head_size, cache.rotation, WRITE_LANE_VALUES)
+        layout = vector_layout(head_size, cache.rotation, _write_tuning(cache.rotation)[0])
         kernel = _function(device.index, "write", "reshape_and_cache", defines)
 
         key_cache, value_cache = cache.key_cache, cache.value_cache
@@ -338,7 +364,7 @@ def rotate_defines(head_size: int, plan: RotationPlan | None, input_dtype: np.dt
                    orders: bool) -> tuple:
     """The rotate kernel's specialisation under the current tuning."""
     return _rotate_defines(head_size, plan, np.dtype(input_dtype), np.dtype(output_dtype), bool(orders),
-                           ROTATE_LANE_VALUES, WIDEN_BY_BITS, ROTATE_MIN_BLOCKS)
+                           _rotate_lane_values(head_size, plan), WIDEN_BY_BITS, ROTATE_MIN_BLOCKS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -382,7 +408,7 @@ def rotate_rows(x: cupy.ndarray, out: cupy.ndarray, plan: RotationPlan | None, *
         use_orders = any(o is not None for o in orders)
         defines = rotate_defines(head_size, plan, _logical_dtype(x, x_dtype), _logical_dtype(out, out_dtype),
                                  use_orders)
-        layout = vector_layout(head_size, plan, ROTATE_LANE_VALUES)
+        layout = vector_layout(head_size, plan, _rotate_lane_values(head_size, plan))
         kernel = _function(device_index, "rotate", "rotate_rows", defines)
         divisor = float(divisor)
         # rotate.cu's Divide: keep (1), multiply by the reciprocal (a power of two:

@@ -80,8 +80,10 @@ class Kernel:
         lane_words = self.row_bytes // 16
         key_vector = 4 if lane_words % 4 == 0 else 2 if lane_words % 2 == 0 else 1
         key_stride, value_stride = padded(heads_bytes, 16 * key_vector), padded(heads_bytes, 16)
+        if self.bulk:   # pages copied as they are: unpadded rows
+            key_stride = value_stride = heads_bytes
         stage = self.tile * (key_stride + value_stride) + 2 * self.tile * self.heads * 4
-        return STAGES * stage + (8 * STAGES if self.bulk else 0)   # + one mbarrier a stage
+        return STAGES * stage + (16 * STAGES if self.bulk else 0)   # + two mbarriers a stage
 
 
 def kv_code(cache) -> int:
@@ -112,19 +114,19 @@ def _copy_granule(cache, row_bytes: int) -> int:
 
 
 def _bulk_copies_fit(cache, kv: int, heads: int, stored_row: int, head_pad: int, capability: int) -> bool:
-    """Whether a block's rows of K, V (and scales) can be staged by bulk copies: sm_90
-    or newer, every head of a row stored side by side at the unpadded size, and each
-    copy (all `heads` of one token) 16-byte sized and aligned, as cp.async.bulk needs."""
-    if capability < 90 or cache.head_size != head_pad or (heads * stored_row) % 16:
+    """Whether warp 0 can stage a tile with one bulk copy per page and tensor
+    (attention.cuh, KVC_BULK): sm_90 or newer, a quantized cache (stale rows hold
+    finite codes), the unpadded head size, a block serving every KV head, each
+    page's rows dense (token after token, heads side by side) and 16-byte sized
+    and aligned, and pages of at least 8 tokens (a tile's runs fit warp 0's lanes)."""
+    if (capability < 90 or kv not in (KV_INT4, KV_INT8, KV_FP8) or cache.head_size != head_pad
+            or heads != cache.num_kv_heads or heads % 4 or (heads * stored_row) % 16 or cache.block_size < 8):
         return False
-    arrays = [(cache.key_cache, stored_row), (cache.value_cache, stored_row)]
-    if kv in (KV_INT4, KV_INT8, KV_FP8):
-        if heads < 4:   # a token's scales for fewer heads are under 16 bytes
-            return False
-        arrays += [(cache.k_scale_cache, 4), (cache.v_scale_cache, 4)]
-    for array, head_bytes in arrays:
+    for array, head_bytes in ((cache.key_cache, stored_row), (cache.value_cache, stored_row),
+                              (cache.k_scale_cache, 4), (cache.v_scale_cache, 4)):
         block_stride, slot_stride, head_stride = array.strides[:3]
-        if head_stride != head_bytes or block_stride % 16 or slot_stride % 16 or array.data.ptr % 16:
+        if (head_stride != head_bytes or slot_stride != heads * head_bytes or block_stride % 16
+                or array.data.ptr % 16):
             return False
     return True
 
@@ -139,9 +141,9 @@ def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int) -> K
         if num_kv_heads % heads:
             continue
         for tile in (32, 16):
-            bulk = 32 * heads >= 4 * tile and _bulk_copies_fit(cache, kv, heads, stored_row, head_pad, capability)
+            bulk = _bulk_copies_fit(cache, kv, heads, stored_row, head_pad, capability)
             kernel = Kernel(kv, head_pad, heads, m_tiles, tile, _copy_granule(cache, stored_row), bulk)
-            if kernel.shared_bytes <= STAGES * STAGE_BYTES_TARGET + 8 * STAGES:
+            if kernel.shared_bytes <= STAGES * STAGE_BYTES_TARGET + 16 * STAGES:
                 return kernel
             best = kernel
     return best
@@ -337,8 +339,9 @@ def specialisations(all: bool) -> list:
                 for heads in (8, 4):
                     for m_tiles in (1, 2) if head_pad <= MAX_HEAD_PAD_TWO_TILES else (1,):
                         tile = 32 if kv == KV_INT4 else 16
-                        # Both stagings: bulk copies on sm_90 where the rows allow them.
-                        kernels += [Kernel(kv, head_pad, heads, m_tiles, tile, 16, bulk) for bulk in (False, True)]
+                        # Both stagings of quantized caches: bulk copies on sm_90 where the pages allow them.
+                        stagings = (False, True) if kv in (KV_INT4, KV_INT8, KV_FP8) else (False,)
+                        kernels += [Kernel(kv, head_pad, heads, m_tiles, tile, 16, bulk) for bulk in stagings]
     else:
         kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, True), Kernel(KV_INT4, 96, 8, 2, 32, 4),
                    Kernel(KV_INT4, 64, 2, 1, 32, 1), Kernel(KV_INT8, 256, 8, 1, 16, 16),
