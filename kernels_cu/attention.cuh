@@ -785,6 +785,9 @@ struct Attention {
           key_zero_point[i] = zero_point_of(key_bits);
           value_bits[i] = kQuantized ? value_scales[column * HEADS] : 0u;
           value_scale[i] = kQuantized ? scale_of(value_bits[i]) * kCodeUnit : 1.f;
+          // A row past the keys holds stale bytes under bulk staging: its scale
+          // must not set R (its probability is 0 anyway).
+          if (KVC_BULK && base + column >= key_hi) value_scale[i] = 0.f;
         }
         float tile_reference = reference;
         if constexpr (kQuantized) {

@@ -216,18 +216,19 @@ def _rotation_on(plan: RotationPlan | None, device_index: int) -> cupy.ndarray:
 # kernels' __launch_bounds__ minimum blocks per SM. Measured on an H200
 # (`kvcupy bench --backend cuda --groups write,rotate`, 32768 tokens x 8 KV
 # heads at d = 128, bf16 in; 2^20 vectors for rotate), fraction of copy
-# bandwidth: a rotated write (the float64 transform's shuffles dominate) with
-# 16 / 32 values a lane: int4 0.26 / 0.28, int8 0.51 / 0.59, fp8 0.49 / 0.57;
-# an unrotated (auto) write with 16 / 8: 0.70 / 0.83. rotate at d = 96 with
-# 32 / 64: 0.50 / 0.82, other head sizes the same (their layouts cap at 32
-# columns). Moving bits lost 7-14% on the write path (an older kernel).
-# The kron mix's extra registers spill at 32 (write) and 64 (rotate) values a
-# lane: it keeps the smaller counts, as do rotations of long heads.
-WRITE_LANE_VALUES = 32           # blockdiag-rotated vectors
+# bandwidth: a write into an int4 cache (blockdiag rotation, whose float64
+# transform's shuffles dominate) with 16 / 32 values a lane: 0.26 / 0.28;
+# unrotated int8 and fp8 (the per-vector absmax's shuffles) 0.51 / 0.59 and
+# 0.49 / 0.57; an auto write (a plain conversion) with 16 / 8: 0.70 / 0.83.
+# rotate at d = 96 with 32 / 64: 0.50 / 0.82, other head sizes the same
+# (their layouts cap at 32 columns). Moving bits lost 7-14% on the write path
+# (an older kernel). The kron mix's extra registers spill at 32 (write) and 64
+# (rotate) values a lane: it keeps the smaller counts, as do rotations of long heads.
+WRITE_LANE_VALUES = 32           # quantized caches
 WRITE_MIN_BLOCKS = 2
 WRITE_KRON_LANE_VALUES = 16
 WRITE_KRON_MIN_BLOCKS = 4
-WRITE_PLAIN_LANE_VALUES = 8      # unrotated (auto, or rotation "none")
+WRITE_PLAIN_LANE_VALUES = 8      # auto caches without rotation: a conversion and a copy
 WRITE_PLAIN_MIN_BLOCKS = 4
 ROTATE_LANE_VALUES = 64          # blockdiag up to ROTATE_WIDE_MAX_HEAD
 ROTATE_WIDE_MAX_HEAD = 160
@@ -283,11 +284,12 @@ def _cache_model_dtype(cache) -> np.dtype:
     return BFLOAT16 if cache.storage_dtype == np.uint16 else np.dtype(cache.storage_dtype)
 
 
-def _write_tuning(plan: RotationPlan | None) -> tuple[int, int]:
-    """(values a lane holds, minimum blocks per SM) of the write kernel for `plan`."""
-    if plan is None or plan.is_identity:
+def _write_tuning(kv_dtype: str, plan: RotationPlan | None) -> tuple[int, int]:
+    """(values a lane holds, minimum blocks per SM) of the write kernel."""
+    rotated = plan is not None and not plan.is_identity
+    if not rotated and not formats.kv_dtype_info(kv_dtype).quantized:
         return WRITE_PLAIN_LANE_VALUES, WRITE_PLAIN_MIN_BLOCKS
-    if plan.kind == "kron":
+    if rotated and plan.kind == "kron":
         return WRITE_KRON_LANE_VALUES, WRITE_KRON_MIN_BLOCKS
     return WRITE_LANE_VALUES, WRITE_MIN_BLOCKS
 
@@ -304,7 +306,7 @@ def write_defines(head_size: int, kv_dtype: str, cache_dtype: np.dtype, input_dt
     """The write kernel's specialisation under the current tuning: sorted (define,
     value) pairs. cache_dtype: the model dtype an auto cache stores (ignored for
     quantized caches)."""
-    lane_values, min_blocks = _write_tuning(plan)
+    lane_values, min_blocks = _write_tuning(kv_dtype, plan)
     return _write_defines(head_size, kv_dtype, np.dtype(cache_dtype), np.dtype(input_dtype), plan,
                           lane_values, WIDEN_BY_BITS, min_blocks, WRITE_THREADS)
 
@@ -335,7 +337,7 @@ def reshape_and_cache(key, value, cache, slots) -> None:
         slot_ids = slots.on(_this, device)
         keys, values = _contiguous_rows(key.data), _contiguous_rows(value.data)
         defines = write_defines(head_size, cache.kv_dtype, _cache_model_dtype(cache), key.dtype, cache.rotation)
-        layout = vector_layout(head_size, cache.rotation, _write_tuning(cache.rotation)[0])
+        layout = vector_layout(head_size, cache.rotation, _write_tuning(cache.kv_dtype, cache.rotation)[0])
         kernel = _function(device.index, "write", "reshape_and_cache", defines)
 
         key_cache, value_cache = cache.key_cache, cache.value_cache
