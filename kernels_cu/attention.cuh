@@ -38,7 +38,7 @@
 // heads as one contiguous run of bytes (all of the cache's heads in one
 // block), warp 0 alone copies each page's part of a tile with one
 // cp.async.bulk per tensor (K, V and their scales), completing on a "full"
-// mbarrier per stage; each warp arrives on the stage's "empty" mbarrier when
+// mbarrier per stage; every thread arrives on the stage's "empty" mbarrier when
 // done with it, and warp 0 waits for that before refilling it. The other warps
 // never wait for each other. Tokens are stored unpadded there (the page's own
 // layout): some shared-memory bank conflicts, traded for a handful of copy
@@ -217,6 +217,12 @@ __device__ __forceinline__ void mbarrier_wait(void* barrier, u32 parity) {
                           " selp.u32 %0, 1, 0, p;\n}\n"
                           : "=r"(done) : "r"(shared_address(barrier)), "r"(parity) : "memory"));
   }
+}
+
+// Orders shared-memory accesses this thread has seen (generic proxy) before its
+// later bulk copies (async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+  KVC_SM90(asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"));
 }
 
 __device__ __forceinline__ void bulk_copy(void* shared, const void* global, u32 bytes, void* barrier) {
@@ -692,7 +698,7 @@ struct Attention {
     if constexpr (KVC_BULK) {
       if (threadIdx.x < STAGES) {
         mbarrier_init(barriers + 8 * threadIdx.x, 32);                // warp 0's lanes
-        mbarrier_init(barriers + 8 * (STAGES + threadIdx.x), HEADS);  // one arrival a warp
+        mbarrier_init(barriers + 8 * (STAGES + threadIdx.x), T::kThreads);  // every reader
       }
       __syncthreads();
       if (warp == 0) {
@@ -723,7 +729,10 @@ struct Attention {
       if constexpr (KVC_BULK) {
         if (warp == 0 && next < num_tiles) {
           // Its stage last held tile - 1: wait until every warp is done with that.
-          if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
+          if (next >= STAGES) {
+            mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
+            fence_proxy_async();   // those reads (generic proxy) before the copies' writes (async proxy)
+          }
           stage_pages(p, smem, next % STAGES, head0, key_lo + next * TILE, block_shift, pages);
           if (next + 1 < num_tiles)
             pages = tile_pages(p, table, key_lo + (next + 1) * TILE, key_lo, key_hi, block_shift);
@@ -923,10 +932,7 @@ struct Attention {
           }
         }
       }
-      if constexpr (KVC_BULK) {   // this warp is done with the stage
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(barriers + 8 * (STAGES + tile % STAGES));
-      }
+      if constexpr (KVC_BULK) mbarrier_arrive(barriers + 8 * (STAGES + tile % STAGES));   // done with the stage
     }
     cp_async_wait<0>();
 
