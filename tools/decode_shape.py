@@ -1,0 +1,44 @@
+"""One decode step of the issue's main shape, for profilers (ncu, compute-sanitizer).
+
+    PYTHONPATH=. ncu -k regex:paged_attention -s 2 -c 1 python3 tools/decode_shape.py [kv_dtype]
+
+32 sequences x 32768 tokens, 32 query / 8 KV heads, d = 128, block size 16, on
+a cache of random codes and scales in shuffled pages; three calls (profile the
+third). Prints the kernel specialisation the plan chose and its split count.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cupy
+import numpy as np
+
+import kvcupy as kc
+
+
+def main() -> None:
+    kv_dtype = sys.argv[1] if len(sys.argv) > 1 else "int4_per_token_head"
+    sequences, context, head_size, kv_heads, query_heads, block_size = 32, 32768, 128, 8, 32, 16
+    rng = np.random.default_rng(0)
+    pages = sequences * context // block_size
+    info = kc.formats.kv_dtype_info(kv_dtype)
+    shape = (pages, block_size, kv_heads, info.stored_head_size(head_size))
+    key, value = (cupy.asarray(rng.integers(0, 256, shape, dtype=np.uint8)).view(info.storage) for _ in range(2))
+    scales = cupy.asarray((rng.random((pages, block_size, kv_heads)) * 0.1 + 0.01).astype(np.float32))
+    cache = kc.wrap_cache(key, value, scales, scales.copy(), kv_dtype=kv_dtype,
+                          rotation=kc.rotation_plan(head_size, "none"))
+    table = rng.permutation(pages).astype(np.int32).reshape(sequences, context // block_size)
+    batch = kc.plan_batch(block_table=table, seq_lens=np.full(sequences, context, np.int32),
+                          block_size=block_size, num_blocks=pages)
+    query = cupy.asarray(rng.standard_normal((sequences, query_heads, head_size)).astype(np.float16))
+    out = cupy.empty_like(query)
+    for _ in range(3):
+        kc.paged_attention(query, cache, batch=batch, out=out)
+    cupy.cuda.Device().synchronize()
+    (plan,) = batch._backend_plans.values()
+    print(plan.kernel, f"splits={plan.num_splits}")
+
+
+if __name__ == "__main__":
+    main()
