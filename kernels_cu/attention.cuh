@@ -3,8 +3,8 @@
 // One thread block serves one (sequence, query row tile, KV-head group, split of
 // the keys); one warp serves one KV head. A cache row holds every KV head of a
 // token side by side, so the block stages a tile of tokens for all its heads as
-// contiguous bytes (cp.async, STAGES deep) and each warp reads its head's rows
-// from shared memory.
+// contiguous bytes (cp.async, or a bulk copy per page on sm_90; STAGES deep) and
+// each warp reads its head's rows from shared memory.
 //
 // The warp computes with mma.sync m16n8k16 (fp16, or bf16 for bf16 caches,
 // fp32 accumulators):
@@ -342,7 +342,6 @@ struct Attention {
     const int first_page = base >> block_shift;
     constexpr int kPieces = T::kRowBytes / (CHUNK == 1 ? 4 : CHUNK);
     constexpr int kWork = TILE * HEADS * kPieces;
-    {
 #pragma unroll 1
     for (int i = 0; i < kWorkPerThread; ++i) {
       const int c = threadIdx.x + i * T::kThreads;
@@ -375,7 +374,6 @@ struct Attention {
         cp_async(key_dst, bytes ? key_src : p.key_cache, bytes, CHUNK);
         cp_async(value_dst, bytes ? value_src : p.value_cache, bytes, CHUNK);
       }
-    }
     }
     if constexpr (kQuantized) {
 #pragma unroll 1
@@ -422,13 +420,15 @@ struct Attention {
       const u8* source;
       if (kind < 2) {
         destination = keys + kind * T::kKeyBytes + token * T::kHeadsBytes;
-        source = kind == 0 ? p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + head0 * p.k_head_stride
-                           : p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + head0 * p.v_head_stride;
+        source = kind == 0
+            ? p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + head0 * p.k_head_stride
+            : p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + head0 * p.v_head_stride;
         bytes = (run_end - run_begin) * T::kHeadsBytes;
       } else {
         destination = keys + 2 * T::kKeyBytes + (kind - 2) * T::kScaleBytes + token * HEADS * 4;
-        source = kind == 2 ? p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride + head0 * p.ks_head_stride
-                           : p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride + head0 * p.vs_head_stride;
+        source = kind == 2
+            ? p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride + head0 * p.ks_head_stride
+            : p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride + head0 * p.vs_head_stride;
         bytes = (run_end - run_begin) * HEADS * 4;
       }
       mbarrier_arrive_expect(full, bytes);
