@@ -112,5 +112,6 @@ class CacheArrays(_Geometry):
 
 
 def _address(array) -> int:
-    """A NumPy or CuPy array's first byte's address."""
-    return array.data.ptr if hasattr(array.data, "ptr") else array.ctypes.data
+    """A NumPy or CuPy array's first byte's address (never through NumPy's
+    `.data`: a memoryview cannot hold ml_dtypes' bfloat16)."""
+    return array.ctypes.data if isinstance(array, np.ndarray) else array.data.ptr
