@@ -48,6 +48,18 @@
 #define KVC_BULK 0
 #endif
 
+// Score accumulators per (row tile, n tile): 1, or 2 (even and odd k steps,
+// summed at the end) to halve the chain of dependent mmas.
+// Diagnostics only (the launcher never sets it): stage every tile and skip the
+// math, to time the copy pipeline alone. Outputs are meaningless.
+#ifndef KVC_STAGING_ONLY
+#define KVC_STAGING_ONLY 0
+#endif
+
+#ifndef KVC_SCORE_CHAINS
+#define KVC_SCORE_CHAINS 1
+#endif
+
 namespace kvc_attn {
 
 using kvc::u16;
@@ -313,33 +325,63 @@ struct Attention {
   static constexpr int kWorkPerThread = (TILE * HEADS * (T::kRowBytes / (CHUNK == 1 ? 4 : CHUNK)) +
                                          T::kThreads - 1) / T::kThreads;
 
-  // Lane l of each warp: the physical block of the tile's l-th page (the tile
-  // starting at `base` spans at most TILE / block_size + 1 pages), -1 outside
-  // [lo, hi) or the cache. Loaded one tile ahead of its use, so that staging
-  // never waits on the block table.
-  static __device__ __forceinline__ int tile_pages(const Params& p, const int* table, int base, int lo, int hi,
-                                                   int block_shift) {
-    const int lane = threadIdx.x & 31;
-    const int first_page = base >> block_shift;
-    const int page = first_page + lane;
+  // The physical blocks of the pages of the keys [lo, hi), read from the block
+  // table 32 pages at a time and one window ahead: lane l holds page base + l
+  // (current) and base + 32 + l (next), -1 for a page outside [lo, hi) or an
+  // id outside the cache. A tile's copies then never wait on the block table:
+  // under full load a table read queues behind the page traffic, and with one
+  // tile of lead that wait cost a quarter of the bandwidth (H200, ncu).
+  struct PageWindow {
+    int base, current, next;
+  };
+
+  static __device__ __forceinline__ int load_page(const Params& p, const int* table, int page, int lo, int hi,
+                                                  int block_shift) {
     const int page_start = page << block_shift;
     int block = -1;
-    if (page_start < hi && page_start + p.block_size > lo && page_start < base + TILE) {
+    if (page_start < hi && page_start + p.block_size > lo) {
       block = table[page];
       if (block < 0 || block >= p.num_blocks) block = -1;
     }
     return block;
   }
 
+  static __device__ __forceinline__ PageWindow first_window(const Params& p, const int* table, int lo, int hi,
+                                                            int block_shift) {
+    const int lane = threadIdx.x & 31;
+    const int base = lo >> block_shift;
+    return {base, load_page(p, table, base + lane, lo, hi, block_shift),
+            load_page(p, table, base + 32 + lane, lo, hi, block_shift)};
+  }
+
+  // Slide the window so that it starts within 32 pages of `page` (called with
+  // each tile's first page in order: a tile spans at most 33 pages, so the
+  // tile then lies inside the two halves).
+  static __device__ __forceinline__ void slide_window(PageWindow& w, const Params& p, const int* table, int page,
+                                                      int lo, int hi, int block_shift) {
+    if (page - w.base >= 32) {
+      w.base += 32;
+      w.current = w.next;
+      w.next = load_page(p, table, w.base + 32 + (threadIdx.x & 31), lo, hi, block_shift);
+    }
+  }
+
+  // The block of `page` (base <= page < base + 64). Every lane takes part.
+  static __device__ __forceinline__ int block_of(const PageWindow& w, int page) {
+    const int index = page - w.base;
+    const int current = __shfl_sync(0xffffffffu, w.current, index & 31);
+    const int next = __shfl_sync(0xffffffffu, w.next, index & 31);
+    return index < 32 ? current : next;
+  }
+
   // Stage `stage` <- keys/values/scales of tokens base .. base + TILE - 1 that lie in
   // [lo, hi); the others, and every id outside the cache, are zero-filled.
   static __device__ __forceinline__ void stage_tile(const Params& p, u8* smem, int stage, int head0, int base,
-                                                    int lo, int hi, int block_shift, int pages) {
+                                                    int lo, int hi, int block_shift, const PageWindow& window) {
     u8* keys = smem + stage * T::kStageBytes;
     u8* values = keys + T::kKeyBytes;
     u8* key_scales = values + T::kValueBytes;
     u8* value_scales = key_scales + T::kScaleBytes;
-    const int first_page = base >> block_shift;
     constexpr int kPieces = T::kRowBytes / (CHUNK == 1 ? 4 : CHUNK);
     constexpr int kWork = TILE * HEADS * kPieces;
 #pragma unroll 1
@@ -351,7 +393,7 @@ struct Attention {
       const int piece = rest - head * kPieces;
       const int position = base + token;
       // Every lane takes part in the shuffle, also past the end of the work.
-      const int block = __shfl_sync(0xffffffffu, pages, ((position >> block_shift) - first_page) & 31);
+      const int block = block_of(window, position >> block_shift);
       if (c >= kWork) continue;
       const bool valid_token = block >= 0 && position >= lo && position < hi;
       const long long slot = position & (p.block_size - 1);
@@ -381,7 +423,7 @@ struct Attention {
         const int c = threadIdx.x + i * T::kThreads;
         const int token = c / HEADS, head = c - token * HEADS;
         const int position = base + token;
-        const int block = __shfl_sync(0xffffffffu, pages, ((position >> block_shift) - first_page) & 31);
+        const int block = block_of(window, position >> block_shift);
         if (c >= TILE * HEADS) continue;
         const bool valid_token = block >= 0 && position >= lo && position < hi;
         const long long slot = position & (p.block_size - 1);
@@ -402,12 +444,12 @@ struct Attention {
   // stale codes finite. Every lane arrives on the stage's full barrier,
   // announcing the bytes it copies.
   static __device__ __forceinline__ void stage_pages(const Params& p, u8* smem, int stage, int head0, int base,
-                                                     int block_shift, int pages) {
+                                                     int block_shift, const PageWindow& window) {
     const int lane = threadIdx.x & 31;
     const int run = lane >> 2, kind = lane & 3;
     const int first_page = base >> block_shift;
     const int page = first_page + run;
-    const int block = __shfl_sync(0xffffffffu, pages, run);
+    const int block = block_of(window, page);
     const int run_begin = max(base, page << block_shift);
     const int run_end = min(base + TILE, (page + 1) << block_shift);
     void* full = smem + T::kBarrierOffset + 8 * stage;
@@ -694,7 +736,9 @@ struct Attention {
 
     const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
     u8* const barriers = smem + T::kBarrierOffset;   // bulk staging: full[STAGES], then empty[STAGES]
-    int pages = 0;
+    // Warp 0 stages the tiles under bulk copies, every warp otherwise: those keep the window.
+    PageWindow window{};
+    if (!KVC_BULK || warp == 0) window = first_window(p, table, key_lo, key_hi, block_shift);
     if constexpr (KVC_BULK) {
       if (threadIdx.x < STAGES) {
         mbarrier_init(barriers + 8 * threadIdx.x, 32);                // warp 0's lanes
@@ -705,27 +749,24 @@ struct Attention {
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
           if (s < num_tiles) {
-            pages = tile_pages(p, table, key_lo + s * TILE, key_lo, key_hi, block_shift);
-            stage_pages(p, smem, s, head0, key_lo + s * TILE, block_shift, pages);
+            slide_window(window, p, table, (key_lo + s * TILE) >> block_shift, key_lo, key_hi, block_shift);
+            stage_pages(p, smem, s, head0, key_lo + s * TILE, block_shift, window);
           }
         }
-        pages = STAGES - 1 < num_tiles
-                    ? tile_pages(p, table, key_lo + (STAGES - 1) * TILE, key_lo, key_hi, block_shift) : 0;
       }
     } else {
 #pragma unroll
       for (int s = 0; s < STAGES - 1; ++s) {
         if (s < num_tiles) {
-          pages = tile_pages(p, table, key_lo + s * TILE, key_lo, key_hi, block_shift);
-          stage_tile(p, smem, s, head0, key_lo + s * TILE, key_lo, key_hi, block_shift, pages);
+          slide_window(window, p, table, (key_lo + s * TILE) >> block_shift, key_lo, key_hi, block_shift);
+          stage_tile(p, smem, s, head0, key_lo + s * TILE, key_lo, key_hi, block_shift, window);
         }
         cp_async_commit();
       }
-      pages = STAGES - 1 < num_tiles
-                  ? tile_pages(p, table, key_lo + (STAGES - 1) * TILE, key_lo, key_hi, block_shift) : 0;
     }
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int next = tile + STAGES - 1;   // the tile whose copies go out now
+      const int next_base = key_lo + next * TILE;
       if constexpr (KVC_BULK) {
         if (warp == 0 && next < num_tiles) {
           // Its stage last held tile - 1: wait until every warp is done with that.
@@ -733,9 +774,8 @@ struct Attention {
             mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
             fence_proxy_async();   // those reads (generic proxy) before the copies' writes (async proxy)
           }
-          stage_pages(p, smem, next % STAGES, head0, key_lo + next * TILE, block_shift, pages);
-          if (next + 1 < num_tiles)
-            pages = tile_pages(p, table, key_lo + (next + 1) * TILE, key_lo, key_hi, block_shift);
+          slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+          stage_pages(p, smem, next % STAGES, head0, next_base, block_shift, window);
         }
         mbarrier_wait(barriers + 8 * (tile % STAGES), (tile / STAGES) & 1);
       } else {
@@ -743,9 +783,8 @@ struct Attention {
         // Everyone is done with the stage the next copy overwrites (tile - 1's).
         __syncthreads();
         if (next < num_tiles) {
-          stage_tile(p, smem, next % STAGES, head0, key_lo + next * TILE, key_lo, key_hi, block_shift, pages);
-          if (next + 1 < num_tiles)
-            pages = tile_pages(p, table, key_lo + (next + 1) * TILE, key_lo, key_hi, block_shift);
+          slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+          stage_tile(p, smem, next % STAGES, head0, next_base, key_lo, key_hi, block_shift, window);
         }
         cp_async_commit();   // (an empty group at the end keeps wait_group's count in step)
       }
@@ -757,7 +796,7 @@ struct Attention {
       const u32* value_scales = key_scales + TILE * HEADS;
 
 #pragma unroll 1
-      for (int step = 0; step < TILE / 16; ++step) {
+      for (int step = 0; step < (KVC_STAGING_ONLY ? 0 : TILE / 16); ++step) {
         // Scores of tokens nt*8 + 2t + {0, 1}, rows g (high + low parts).
         float score[M_TILES][NT][4];
   #pragma unroll
