@@ -48,16 +48,10 @@
 #define KVC_BULK 0
 #endif
 
-// Score accumulators per (row tile, n tile): 1, or 2 (even and odd k steps,
-// summed at the end) to halve the chain of dependent mmas.
 // Diagnostics only (the launcher never sets it): stage every tile and skip the
 // math, to time the copy pipeline alone. Outputs are meaningless.
 #ifndef KVC_STAGING_ONLY
 #define KVC_STAGING_ONLY 0
-#endif
-
-#ifndef KVC_SCORE_CHAINS
-#define KVC_SCORE_CHAINS 1
 #endif
 
 namespace kvc_attn {
