@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .interop import HOST, Array, index_array
+from .interop import HOST, Array, index_array, on_device_or_host
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
@@ -64,6 +64,11 @@ class _Uploads:
             self.copies[key] = arrays
         return self.copies[key]
 
+    def check_device(self, device) -> None:
+        """Index arrays passed on a device are on `device`, or a TypeError names one."""
+        for array in self.device.values():
+            on_device_or_host(array, device)
+
 
 @dataclass(eq=False)
 class BatchPlan:
@@ -96,6 +101,10 @@ class BatchPlan:
     def arrays(self, backend, device) -> dict[str, Any]:
         """block_table, seq_lens, cu_seqlens_q as `backend`'s int32 arrays on `device`."""
         return self._uploads.on(backend, device)
+
+    def check_device(self, device) -> None:
+        """Metadata that lives on a device lives on `device` (the call's), or a TypeError."""
+        self._uploads.check_device(device)
 
     def backend_plan(self, key, build: Callable[[], Any]) -> Any:
         """A backend's own plan for this batch, built on first use and kept."""
@@ -179,6 +188,10 @@ class SlotMapping:
     def on(self, backend, device):
         """The slot ids as `backend`'s int64 array on `device`."""
         return self._uploads.on(backend, device)["slot_mapping"]
+
+    def check_device(self, device) -> None:
+        """Slot ids that live on a device live on `device` (the call's), or a TypeError."""
+        self._uploads.check_device(device)
 
 
 def plan_slots(slot_mapping, *, num_slots: int, validate: bool = False) -> SlotMapping:

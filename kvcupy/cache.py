@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import formats, ops
+from . import formats, interop, ops
 from .batch import BatchPlan, SlotMapping, plan_batch, plan_slots
 from .kvcache import KVCache
 from .rotation import RotationPlan
@@ -88,6 +88,11 @@ class PagedKVCache:
         for layer in range(num_layers):
             mgr.write(layer, key, value, slot_mapping)
             out = mgr.attention(layer, query, seq_ids, query_lens=num_new_tokens)
+
+    On a GPU, write and attention run on the stream of their arrays (torch's
+    current stream for torch tensors, ...: kvcupy.ops); reserve's copy-on-write
+    copies run on the stream of the latest such call, so a loop that stays on
+    one stream stays ordered.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -118,6 +123,15 @@ class PagedKVCache:
         # plans by (sequences, query lengths). Any change to the pages clears both.
         self._step_slots: dict[int, tuple[np.ndarray, SlotMapping]] = {}
         self._step_batches: dict[tuple, BatchPlan] = {}
+        # Whose stream the copy-on-write copies in reserve() run on: that of the
+        # latest write / attention call's arrays (torch's current stream for torch
+        # callers), so that they are ordered with the kernels around them.
+        self._stream = interop.CUPY_STREAM
+
+    @property
+    def device(self) -> interop.Device:
+        """Where every layer's cache lives."""
+        return self.layers[0].device
 
     @property
     def num_layers(self) -> int:
@@ -191,7 +205,8 @@ class PagedKVCache:
         self._new_step()
         copies: list[tuple[int, int]] = []
         slots = [self._append(seq_id, count, copies) for seq_id, count in zip(seq_ids, counts)]
-        ops.copy_blocks(self.layers, np.array(copies, np.int64).reshape(-1, 2))
+        with interop.running_on(self.device, self._stream):
+            ops.copy_blocks(self.layers, np.array(copies, np.int64).reshape(-1, 2))
         slot_mapping = np.concatenate(slots) if slots else np.zeros(0, np.int64)
         slot_mapping.flags.writeable = False
         self._step_slots[id(slot_mapping)] = (slot_mapping, plan_slots(
@@ -269,6 +284,7 @@ class PagedKVCache:
         if known is not None and known[0] is slot_mapping:
             slot_mapping = known[1]
         ops.reshape_and_cache(key, value, cache, slot_mapping)
+        self._stream = interop.stream_source(key)
 
     def attention(self, layer: int, query, seq_ids, *, query_lens=None,
                   softmax_scale: float | None = None, sliding_window: int | None = None,
@@ -279,9 +295,11 @@ class PagedKVCache:
         the last query_lens[i] positions of that sequence (None: one each, decode).
         """
         cache = self.layers[_index(layer, "layer", self.num_layers)]
-        return ops.paged_attention(query, cache, batch=self.plan(seq_ids, query_lens),
-                                   softmax_scale=softmax_scale, sliding_window=sliding_window,
-                                   softcap=softcap, sinks=sinks, out=out)
+        out = ops.paged_attention(query, cache, batch=self.plan(seq_ids, query_lens),
+                                  softmax_scale=softmax_scale, sliding_window=sliding_window,
+                                  softcap=softcap, sinks=sinks, out=out)
+        self._stream = interop.stream_source(query)
+        return out
 
     def plan(self, seq_ids, query_lens=None) -> BatchPlan:
         """The checked metadata of attention over these sequences' newest tokens:

@@ -12,10 +12,18 @@ Which backend serves a device is the registry's business
 (`kvcupy.backends`); a device whose backend cannot run here is refused with
 the argument's name and the reason. Results go back to the caller's framework
 (`like`).
+
+Where a call runs (`running_on`): on the device its arrays live on, made
+current for the call, and on the caller's stream: torch's current stream for
+torch tensors, the stream JAX makes external data ready on for JAX arrays,
+CuPy's current stream otherwise. The same stream is the one DLPack exchanges
+name, so a handover between the caller and kvcupy costs no event and no
+synchronisation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +90,19 @@ def framework_of(x) -> str:
     return module if module in ("torch", "jax", "cupy") else "dlpack"
 
 
+def _check_jax_array(x, name: str) -> None:
+    """A JAX array kvcupy can read: concrete (kernels run eagerly, not under jax.jit)
+    and on one device (JAX's DLPack export would hand over only its first shard)."""
+    import jax
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(f"{name} is a traced JAX value: kvcupy runs eagerly, outside jax.jit "
+                        "(call it between jitted functions)")
+    devices = x.devices()
+    if len(devices) != 1:
+        raise TypeError(f"{name} is a JAX array on {len(devices)} devices; pass one device's "
+                        "shard (x.addressable_shards[i].data), one call per device")
+
+
 def device_of(x) -> Device:
     """The device of an array argument, from its DLPack device (NumPy: the host)."""
     if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack_device__"):
@@ -123,38 +144,66 @@ class _Relabelled:
 
 
 def _export(x, name: str, stream=None):
-    """(capsule, its name): versioned when the producer speaks DLPack 1.x, since
+    """x's DLPack capsule: versioned when the producer speaks DLPack 1.x, since
     NumPy marks arrays imported from legacy capsules read-only. `stream`: the
     consumer's stream (DLPack's convention), on which the producer orders its work."""
     kwargs = {} if stream is None else {"stream": stream}
     try:
         try:
-            return x.__dlpack__(max_version=(1, 0), **kwargs), b"dltensor_versioned"
+            return x.__dlpack__(max_version=(1, 0), **kwargs)
         except TypeError:   # a producer from before DLPack 1.0
-            return x.__dlpack__(**kwargs), b"dltensor"
+            return x.__dlpack__(**kwargs)
     except (BufferError, RuntimeError, TypeError, ValueError) as error:
         raise TypeError(f"{name} could not be exported through DLPack: {error}") from None
+
+
+_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_is_valid.restype = ctypes.c_int
+_capsule_is_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _dtype_field(capsule) -> tuple[ctypes.c_uint8, int]:
+    """The capsule's DLDataType code (writable in place) and its bit width. Read by
+    the capsule's own name: JAX answers a request for DLPack 1.x with a legacy one."""
+    for name, offset in _TENSOR_OFFSETS.items():
+        if _capsule_is_valid(capsule, name):
+            tensor = _get_pointer(capsule, name) + offset
+            code = ctypes.c_uint8.from_address(tensor + _DTYPE_CODE_OFFSET)
+            return code, ctypes.c_uint8.from_address(tensor + _DTYPE_BITS_OFFSET).value
+    raise TypeError("__dlpack__ returned no unused DLPack capsule")
+
+
+# Logical dtypes NumPy and CuPy hold only as bits, and their DLPack codes.
+_TAGGED_CODES = {BFLOAT16: (DLPACK_BFLOAT, 16), FP8_DTYPE: (DLPACK_FLOAT8_E4M3FN, 8)}
 
 
 def _relabel_raw(x, name: str, stream=None):
     """(importable DLPack object, logical dtype or None): bfloat16 / float8 capsules
     relabelled as uint16 / uint8, so that NumPy and CuPy import them without a copy."""
-    capsule, capsule_name = _export(x, name, stream)
-    try:
-        tensor = _get_pointer(capsule, capsule_name) + _TENSOR_OFFSETS[capsule_name]
-    except ValueError:   # a 1.x producer that still answered with a legacy capsule
-        capsule_name = b"dltensor"
-        tensor = _get_pointer(capsule, capsule_name)
-    code = ctypes.c_uint8.from_address(tensor + _DTYPE_CODE_OFFSET)
-    bits = ctypes.c_uint8.from_address(tensor + _DTYPE_BITS_OFFSET).value
-    logical = None
-    if code.value == DLPACK_BFLOAT and bits == 16:
-        logical = BFLOAT16
-    elif code.value == DLPACK_FLOAT8_E4M3FN and bits == 8:
-        logical = FP8_DTYPE
+    capsule = _export(x, name, stream)
+    code, bits = _dtype_field(capsule)
+    logical = next((dtype for dtype, tag in _TAGGED_CODES.items() if tag == (code.value, bits)), None)
     if logical is not None:
         code.value = DLPACK_UINT
     return _Relabelled(capsule, x.__dlpack_device__()), logical
+
+
+class _Tagged:
+    """Bits (uint16 / uint8, NumPy or CuPy) exported through DLPack as `dtype`
+    (bfloat16 / float8_e4m3fn): a consumer that knows the type (JAX) imports
+    them as such, without a copy. The consumer's stream passes through."""
+
+    def __init__(self, bits, dtype: np.dtype):
+        self._bits, self._code = bits, _TAGGED_CODES[dtype][0]
+
+    def __dlpack__(self, *args, **kwargs):
+        capsule = self._bits.__dlpack__(*args, **kwargs)
+        code, _ = _dtype_field(capsule)
+        code.value = self._code
+        return capsule
+
+    def __dlpack_device__(self):
+        return self._bits.__dlpack_device__()
 
 
 def _torch_raw(x):
@@ -187,17 +236,23 @@ def _host_view(x, name: str) -> tuple[np.ndarray, np.dtype]:
 
 def as_array(x, name: str) -> Array:
     """`x` as an Array, without copying; a TypeError / ValueError naming `name`
-    when it is no array, or its device has no backend that can run here."""
+    when it is no array, or its device has no backend that can run here.
+
+    On a GPU the producer orders its pending work before CuPy's current stream
+    (DLPack's stream argument): inside `running_on` that is the caller's own
+    stream, so the handover costs nothing."""
     if isinstance(x, np.ndarray):
         return Array(x, x.dtype, HOST, "numpy", name)
     if isinstance(x, np.generic) or not hasattr(x, "__dlpack__"):
         raise TypeError(f"{name} must be an array (NumPy, CuPy, torch, JAX or any DLPack "
                         f"tensor), got {type(x).__name__}")
+    framework = framework_of(x)
+    if framework == "jax":
+        _check_jax_array(x, name)
     try:
         device = device_of(x)
     except ValueError as error:
         raise ValueError(f"{name}: {error}") from None
-    framework = framework_of(x)
     if device.kind == "cpu":
         data, dtype = _host_view(x, name)
         return Array(data, dtype, HOST, framework, name)
@@ -252,10 +307,146 @@ def on_device_or_host(index: Array, device: Device) -> None:
                         "where the call's data lives")
 
 
+def immutable(tensor, name: str) -> None:
+    """A TypeError when `tensor` is a JAX array, which must never be written in place
+    (JAX may share or reuse its buffer; on a GPU nothing else would stop the write)."""
+    if framework_of(tensor) == "jax":
+        raise TypeError(f"{name} is a JAX array, and JAX arrays are immutable: kvcupy never "
+                        "writes into one (kvcupy.updated_cache returns a cache with the tokens "
+                        "written; leave out= unset to get a new JAX array)")
+
+
+# --- where a call runs: device and stream ----------------------------------
+
+@dataclass(frozen=True)
+class StreamSource:
+    """Whose stream a call runs on: `framework` ("torch", "jax"; None for CuPy's
+    current stream) and its handle on the device (torch: the device index; JAX:
+    its Device). Asked at each call, so the stream current *then* is used."""
+
+    framework: str | None = None
+    handle: Any = None
+
+    def stream(self) -> int | None:
+        """The caller's stream pointer now, or None for CuPy's current stream."""
+        if self.framework == "torch":
+            import torch
+            return int(torch.cuda.current_stream(self.handle).cuda_stream)
+        if self.framework == "jax":
+            return jax_ready_stream(self.handle)
+        return None
+
+
+CUPY_STREAM = StreamSource()
+_JAX_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def stream_source(x) -> StreamSource:
+    """The stream source of an argument: its framework's, when that framework
+    has streams on a GPU (torch, JAX); CuPy's current stream for anything else."""
+    framework = framework_of(x)
+    if framework == "torch" and x.device.type == "cuda":   # ROCm builds of torch say "cuda" too
+        return StreamSource("torch", x.device.index)
+    if framework == "jax":
+        import jax
+        if not isinstance(x, jax.core.Tracer) and len(x.devices()) == 1:
+            (device,) = x.devices()
+            if device.platform in _JAX_GPU_PLATFORMS:
+                return StreamSource("jax", device)
+    return CUPY_STREAM
+
+
+def jax_ready_stream(device) -> int | None:
+    """The stream a JAX GPU device takes external data on (what jax.dlpack.from_dlpack
+    passes to producers, and where JAX waits for them); None where the JAX build does
+    not implement it (then kvcupy uses CuPy's current stream and synchronises it
+    before handing a result to JAX: see `like`)."""
+    import jax
+    try:
+        return int(device.get_stream_for_external_ready_events())
+    except jax.errors.JaxRuntimeError as error:
+        if "UNIMPLEMENTED" in str(error):
+            return None
+        raise
+
+
+class _StreamHandle:
+    """A raw stream pointer in the CUDA stream protocol, as CuPy's Stream.from_external takes it."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _cupy_stream(ptr: int, device_index: int):
+    """CuPy's view of a stream it does not own (the device current already)."""
+    import cupy
+    if hasattr(cupy.cuda.Stream, "from_external"):   # CuPy >= 14; it never destroys the stream
+        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr, device_index)
+
+
+def _launches_through_cupy(device: Device) -> bool:
+    """Whether kvcupy's own backend, which launches on CuPy's current device and
+    stream, serves `device` (a test double or an unusable backend does not)."""
+    from . import backends
+    try:
+        backend = backends.for_device(device)
+    except ValueError:
+        return False   # as_array names the argument and the reason
+    return getattr(backend, "__name__", None) in ("kvcupy.backends.cuda", "kvcupy.backends.rocm")
+
+
+@contextlib.contextmanager
+def running_on(device: Device, source: StreamSource = CUPY_STREAM):
+    """Run the enclosed kvcupy work on `device` (current for CuPy and, for torch
+    callers, for torch) and on `source`'s stream, made CuPy's current stream:
+    every launch and every DLPack exchange inside then uses it. Nothing waits:
+    no stream or device synchronisation."""
+    with contextlib.ExitStack() as stack:
+        if device.kind != "cpu" and _launches_through_cupy(device):
+            import cupy
+            stack.enter_context(cupy.cuda.Device(device.index))
+            if source.framework == "torch":
+                import torch   # torch exports a tensor only while its device is current
+                stack.enter_context(torch.cuda.device(device.index))
+            ptr = source.stream()
+            if ptr is not None:
+                stack.enter_context(_cupy_stream(ptr, device.index))
+        yield
+
+
+def running_like(x):
+    """`running_on` the device and stream of a call's first data argument `x`
+    (nothing, when `x` is no array: the argument checks name it)."""
+    try:
+        device = device_of(x)
+        source = stream_source(x) if device.kind != "cpu" else CUPY_STREAM
+    except Exception:   # not an array, or one on no device kvcupy knows: as_array says which
+        return contextlib.nullcontext()
+    return running_on(device, source)
+
+
+def synchronize(device: Device) -> None:
+    """Wait for CuPy's current stream on `device` (a GPU kvcupy launches on)."""
+    if device.kind != "cpu" and _launches_through_cupy(device):
+        import cupy
+        with cupy.cuda.Device(device.index):
+            cupy.cuda.get_current_stream().synchronize()
+
+
+# --- results back to the caller --------------------------------------------
+
 def like(result: Array, reference):
-    """`result` in the framework of `reference`, zero-copy where DLPack allows."""
+    """`result` in the framework of `reference`, zero-copy where DLPack allows.
+    On a GPU, call it inside the call's `running_on`: the consumer's stream is
+    then CuPy's current one and the handover needs no event."""
     framework = framework_of(reference)
     data = result.data
+    if framework == "jax":
+        return to_jax(result, reference)
     if result.device.kind == "cpu":
         return _host_like(data, framework)
     if framework == "torch":
@@ -266,13 +457,23 @@ def like(result: Array, reference):
         if result.dtype == FP8_DTYPE:
             return tensor.view(torch.float8_e4m3fn)
         return tensor
-    if framework == "jax":
-        import jax
-        array = jax.dlpack.from_dlpack(data)
-        if result.dtype in (BFLOAT16, FP8_DTYPE):   # the bits crossed as unsigned integers
-            array = jax.lax.bitcast_convert_type(array, result.dtype)
-        return array
     return data
+
+
+def to_jax(result: Array, reference):
+    """A JAX array over `result`'s memory, for a call whose first data argument was
+    `reference`: bfloat16 / float8 exported with their own DLPack codes (no bitcast,
+    no copy). XLA takes host memory without a copy only when it is 64-byte
+    aligned; otherwise JAX copies it."""
+    import jax
+    data = result.data
+    if result.dtype in _TAGGED_CODES:
+        bits = data.view(np.uint16 if result.dtype.itemsize == 2 else np.uint8)
+        data = _Tagged(bits, result.dtype)
+    if result.device.kind != "cpu" and stream_source(reference).stream() is None:
+        # JAX will take the result as ready at once: let kvcupy's launches finish first.
+        synchronize(result.device)
+    return jax.dlpack.from_dlpack(data)
 
 
 def _host_like(data: np.ndarray, framework: str):
@@ -283,7 +484,4 @@ def _host_like(data: np.ndarray, framework: str):
         if data.dtype == FP8_DTYPE:
             return torch.from_dlpack(data.view(np.uint8)).view(torch.float8_e4m3fn)
         return torch.from_dlpack(data)
-    if framework == "jax":
-        import jax.numpy as jnp
-        return jnp.asarray(data)
     return data

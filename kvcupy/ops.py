@@ -11,6 +11,13 @@ sinks) must live there too and, within one call, come from one framework: the
 result comes back in that framework. Index arguments (slot_mapping,
 block_table, seq_lens, cu_seqlens_q) may be on the host instead, where they
 are checked in full and uploaded once (`kvcupy.batch` states the policy).
+
+Each public function runs where its first data argument lives
+(`interop.running_like`): that device is current for the call, and on a GPU
+every launch goes to the caller's stream (torch's current stream, JAX's
+stream for external data, CuPy's current stream otherwise). Nothing here
+waits for a device. JAX arrays are never written: a JAX cache goes through
+`kvcupy.updated_cache`.
 """
 
 from __future__ import annotations
@@ -97,6 +104,11 @@ def rotate(x, plan: RotationPlan, inverse: bool = False):
     """Rotate the last axis of x with `plan` (inverse=True undoes it); same dtype as x."""
     if not isinstance(plan, RotationPlan):
         raise TypeError(f"plan must be a RotationPlan, got {type(plan).__name__}")
+    with interop.running_like(x):
+        return _rotate(x, plan, inverse)
+
+
+def _rotate(x, plan: RotationPlan, inverse: bool):
     array = _float_array(x, "x")
     if array.ndim == 0 or array.shape[-1] != plan.head_size:
         raise ValueError(f"x has shape {array.shape}; its last axis must be the plan's "
@@ -117,7 +129,10 @@ def allocate_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
                    kv_dtype: str = "int4_per_token_head", rotation: RotationPlan | None = None,
                    device: str = "cpu", dtype="float16") -> KVCache:
     """A zero-filled cache on `device` ("cpu", "cuda", "cuda:1", "rocm"); `dtype` is
-    the model dtype an "auto" cache stores."""
+    the model dtype an "auto" cache stores.
+
+    On a GPU the zero fill runs on CuPy's current stream of that device, which
+    this call then waits for (once): the cache is ready for work on any stream."""
     num_blocks = _positive_int(num_blocks, "num_blocks")
     block_size = _positive_int(block_size, "block_size")
     num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
@@ -133,8 +148,11 @@ def allocate_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
         return backend.zeros(shape, dtype, where)
 
     scales = (lambda: zeros(shape[:3], np.float32)) if info.quantized else (lambda: None)
-    return KVCache(zeros(shape, storage), zeros(shape, storage), scales(), scales(),
-                   kv_dtype, plan, head_size)
+    with interop.running_on(where):
+        cache = KVCache(zeros(shape, storage), zeros(shape, storage), scales(), scales(),
+                        kv_dtype, plan, head_size)
+        interop.synchronize(where)
+    return cache
 
 
 def _check_strides(array, name: str, contiguous_last_axis: bool = True) -> None:
@@ -153,8 +171,16 @@ def wrap_cache(key_cache, value_cache, k_scale_cache=None, v_scale_cache=None, *
     """A KVCache over existing tensors (e.g. vLLM's), without copying them.
 
     Tensors may be strided views (scales inline in each head row, as vLLM keeps
-    them); each needs a contiguous last axis and whole-element strides.
+    them); each needs a contiguous last axis and whole-element strides. JAX
+    arrays make a read-only cache: attention reads it, `kvcupy.updated_cache`
+    returns a new one with tokens written.
     """
+    with interop.running_like(key_cache):
+        return _wrap_cache(key_cache, value_cache, k_scale_cache, v_scale_cache, kv_dtype, rotation)
+
+
+def _wrap_cache(key_cache, value_cache, k_scale_cache, v_scale_cache, kv_dtype: str,
+                rotation: RotationPlan | None) -> KVCache:
     info = formats.kv_dtype_info(kv_dtype)
     keys = interop.as_array(key_cache, "key_cache")
     values = interop.as_array(value_cache, "value_cache")
@@ -197,7 +223,11 @@ def cache_arrays(cache) -> CacheArrays:
         raise TypeError(f"cache must be a KVCache (allocate_cache / wrap_cache), got {type(cache).__name__}")
     if cache._arrays is not None:
         return cache._arrays
+    with interop.running_like(cache.key_cache):
+        return _make_cache_arrays(cache)
 
+
+def _make_cache_arrays(cache: KVCache) -> CacheArrays:
     def view(tensor, name):
         if tensor is None:
             return None
@@ -223,9 +253,17 @@ def copy_blocks(caches, pairs) -> None:
     """Copy block pairs[i, 0] onto block pairs[i, 1] in every cache of `caches`
     (all tensors): copy-on-write for all layers in one backend call."""
     caches = list(caches)
-    arrays = [cache_arrays(c) for c in caches]
-    if not arrays:
+    if not caches:
         return
+    with interop.running_like(getattr(caches[0], "key_cache", None)):
+        _copy_blocks(caches, pairs)
+
+
+def _copy_blocks(caches: list, pairs) -> None:
+    arrays = [cache_arrays(c) for c in caches]
+    for i, cache in enumerate(caches):
+        for tensor in cache.tensors():
+            interop.immutable(tensor, f"caches[{i}]")
     pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
     num_blocks = arrays[0].num_blocks
     if pairs.size and (pairs.min() < 0 or pairs.max() >= num_blocks):
@@ -247,7 +285,14 @@ def reshape_and_cache(key, value, cache: KVCache, slot_mapping, *, validate: boo
     slot_mapping[t] = block * block_size + offset; negative entries are padding.
     It may be a SlotMapping (kvcupy.batch.plan_slots) checked once for many layers.
     """
+    with interop.running_like(key):
+        _reshape_and_cache(key, value, cache, slot_mapping, validate)
+
+
+def _reshape_and_cache(key, value, cache: KVCache, slot_mapping, validate: bool) -> None:
     arrays = cache_arrays(cache)
+    for tensor, name in zip(cache.tensors(), ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")):
+        interop.immutable(tensor, f"cache.{name}")
     keys = _float_array(key, "key")
     values = _float_array(value, "value")
     _on_cache_device([keys, values], arrays)
@@ -261,6 +306,7 @@ def reshape_and_cache(key, value, cache: KVCache, slot_mapping, *, validate: boo
     if slots.num_tokens != keys.shape[0]:
         raise ValueError(f"slot_mapping has shape ({slots.num_tokens},); expected "
                          f"({keys.shape[0]},) (one slot per token)")
+    slots.check_device(arrays.device)
     for tensor, name in zip(arrays.tensors(), ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")):
         _writable(Array(tensor, arrays.storage_dtype, arrays.device, "native", f"cache.{name}"))
     backends.for_device(arrays.device, "cache").reshape_and_cache(keys, values, arrays, slots)
@@ -315,6 +361,13 @@ def paged_attention(query, cache: KVCache, *, block_table=None, seq_lens=None, c
     into `out` when given. validate=True also checks metadata that lives on a
     device (a synchronisation).
     """
+    with interop.running_like(query):
+        return _paged_attention(query, cache, block_table, seq_lens, cu_seqlens_q, batch,
+                                softmax_scale, sliding_window, softcap, sinks, out, validate)
+
+
+def _paged_attention(query, cache: KVCache, block_table, seq_lens, cu_seqlens_q, batch,
+                     softmax_scale, sliding_window, softcap: float, sinks, out, validate: bool):
     arrays = cache_arrays(cache)
     q = _float_array(query, "query")
     if q.ndim != 3 or q.shape[2] != arrays.head_size:
@@ -340,6 +393,7 @@ def paged_attention(query, cache: KVCache, *, block_table=None, seq_lens=None, c
         interop.on_device_or_host(sink_logits, arrays.device)   # parameters, like index arrays
     out_array = None
     if out is not None:
+        interop.immutable(out, "out")
         out_array = interop.as_array(out, "out")
         if out_array.dtype != q.dtype:
             raise TypeError(f"out has dtype {out_array.dtype}; expected the query's {q.dtype}")
@@ -348,6 +402,7 @@ def paged_attention(query, cache: KVCache, *, block_table=None, seq_lens=None, c
         data.append(out_array)
     _on_cache_device(data, arrays)
     plan = _batch(batch, arrays, q.shape[0], block_table, seq_lens, cu_seqlens_q, validate)
+    plan.check_device(arrays.device)
 
     backend = backends.for_device(arrays.device, "cache")
     backend_plan = plan.backend_plan(
