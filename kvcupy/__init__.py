@@ -4,6 +4,7 @@ from .backends import BackendStatus, BackendUnavailable, list_backends
 from .batch import BatchPlan, SlotMapping, plan_batch, plan_slots
 from .cache import CacheFullError, PagedKVCache
 from .formats import KV_DTYPES, QUANTIZED_KV_DTYPES
+from .functional import updated_cache
 from .kvcache import KVCache
 from .interop import Device
 from .ops import (allocate_cache, cache_arrays, copy_blocks, paged_attention, reshape_and_cache,
@@ -16,5 +17,6 @@ __all__ = [
     "BackendStatus", "BackendUnavailable", "BatchPlan", "CacheFullError", "Device", "KVCache",
     "KV_DTYPES", "PagedKVCache", "QUANTIZED_KV_DTYPES", "RotationPlan", "SlotMapping",
     "allocate_cache", "cache_arrays", "list_backends", "copy_blocks", "paged_attention", "plan_batch",
-    "plan_slots", "reshape_and_cache", "rotate", "rotation_plan", "wrap_cache", "__version__",
+    "plan_slots", "reshape_and_cache", "rotate", "rotation_plan", "updated_cache", "wrap_cache",
+    "__version__",
 ]
