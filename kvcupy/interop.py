@@ -263,12 +263,15 @@ def as_array(x, name: str) -> Array:
         # The backend's own array type: nothing to import (and no DLPack stream
         # handshake, which CuPy refuses while a stream is being captured).
         return Array(x, np.dtype(x.dtype), device, framework, name)
+    tagged = None
+    exporting = contextlib.nullcontext()
     if framework == "torch":
+        import torch
         x, tagged = _torch_raw(x)
-    else:
-        tagged = None
+        exporting = torch.cuda.device(device.index)   # torch exports only from the current device
     stream = backend.dlpack_stream(device)
-    raw, logical = _relabel_raw(x, name, stream)
+    with exporting:
+        raw, logical = _relabel_raw(x, name, stream)
     data = backend.import_dlpack(raw)
     return Array(data, tagged or logical or np.dtype(data.dtype), device, framework, name)
 
@@ -410,7 +413,7 @@ def running_on(device: Device, source: StreamSource = CUPY_STREAM):
             import cupy
             stack.enter_context(cupy.cuda.Device(device.index))
             if source.framework == "torch":
-                import torch   # torch exports a tensor only while its device is current
+                import torch
                 stack.enter_context(torch.cuda.device(device.index))
             ptr = source.stream()
             if ptr is not None:
