@@ -44,7 +44,7 @@ class Config:
         return self.num_heads * self.head_size
 
 
-def random_weights(config: Config, seed: int = 0) -> dict[str, np.ndarray]:
+def random_weights(config: Config, seed: int = 3) -> dict[str, np.ndarray]:
     """float32 weights, each matrix scaled by 1/sqrt(fan_in) so that activations
     and logits stay of order one through the layers."""
     rng = np.random.default_rng(seed)
