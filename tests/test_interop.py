@@ -1,6 +1,9 @@
 """Arrays from any DLPack producer go in and come back in the caller's framework."""
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -10,6 +13,7 @@ import kvcupy as kc
 from kvcupy import backends, interop
 
 from .helpers import paged_batch
+from .test_backends import fake  # noqa: F401  (a fixture: a "cuda" backend running on the host)
 
 
 class DLPackOnly:
@@ -159,3 +163,230 @@ def test_torch_float8_and_bfloat16_tensors_keep_their_dtype():
     with pytest.raises(TypeError, match="query has dtype float8_e4m3fn"):
         kc.paged_attention(torch.zeros(1, 4, 64).to(torch.float8_e4m3fn), kc.allocate_cache(2, 16, 2, 64),
                            block_table=[[0]], seq_lens=[1])
+
+
+# --- JAX: immutable arrays, the functional write, results without copies ------
+
+def jax_cache(kv_dtype: str, num_blocks: int = 6):
+    """(a kvcupy cache in NumPy, the same zero cache in JAX arrays)."""
+    jnp = pytest.importorskip("jax").numpy
+    host = kc.allocate_cache(num_blocks, 16, 2, 64, kv_dtype=kv_dtype, dtype="bfloat16")
+    tensors = [jnp.asarray(np.asarray(t)) for t in host.tensors()]
+    return host, kc.wrap_cache(*tensors, kv_dtype=kv_dtype, rotation=host.rotation)
+
+
+def test_jax_arrays_are_never_written_in_place():
+    jnp = pytest.importorskip("jax").numpy
+    _, cache = jax_cache("int8_per_token_head")
+    kv = np.zeros((2, 2, 64), np.float32)
+    with pytest.raises(TypeError, match="cache.key_cache is a JAX array, and JAX arrays are immutable"):
+        kc.reshape_and_cache(kv, kv, cache, np.arange(2))
+    with pytest.raises(TypeError, match=r"caches\[0\] is a JAX array"):
+        kc.copy_blocks([cache], [[0, 1]])
+    query = jnp.zeros((1, 4, 64), jnp.float32)
+    with pytest.raises(TypeError, match="out is a JAX array"):
+        kc.paged_attention(query, cache, block_table=[[0]], seq_lens=[1], out=jnp.zeros_like(query))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "auto"])
+def test_updated_cache_stores_what_reshape_and_cache_stores(kv_dtype):
+    """The functional form writes the same bytes (padding slots skipped), returns
+    new JAX arrays and leaves the given cache as it was."""
+    jnp = pytest.importorskip("jax").numpy
+    host, cache = jax_cache(kv_dtype)
+    rng = np.random.default_rng(3)
+    for slots in (np.arange(20), np.array([20, -1, 47, 33])):
+        kv = rng.standard_normal((len(slots), 2, 64)).astype(ml_dtypes.bfloat16)
+        kc.reshape_and_cache(kv, kv, host, slots)
+        before = [np.asarray(t).copy() for t in cache.tensors()]
+        updated = kc.updated_cache(jnp.asarray(kv), jnp.asarray(kv), cache,
+                                   jnp.asarray(slots) if len(slots) == 20 else slots)
+        for old, unchanged in zip(cache.tensors(), before):
+            np.testing.assert_array_equal(np.asarray(old), unchanged, err_msg="the given cache")
+        for new, expected, name in zip(updated.tensors(), host.tensors(), ("K", "V", "K scales", "V scales")):
+            assert new.dtype == np.asarray(expected).dtype or new.dtype == ml_dtypes.float8_e4m3fn
+            np.testing.assert_array_equal(np.asarray(new).view(np.uint8), np.asarray(expected).view(np.uint8),
+                                          err_msg=f"{kv_dtype} {name}")
+        cache = updated
+    query = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    args = dict(block_table=[[0, 1, 2], [0, 1, 2]], seq_lens=[21, 48])
+    np.testing.assert_array_equal(np.asarray(kc.paged_attention(jnp.asarray(query), cache, **args)),
+                                  kc.paged_attention(query, host, **args))
+
+
+def test_updated_cache_with_donation_writes_into_the_given_buffers():
+    """donate=True: XLA reuses the cache's buffers (same addresses, old arrays deleted),
+    even after the cache was read by attention (kvcupy drops its own views first)."""
+    jax = pytest.importorskip("jax")
+    _, cache = jax_cache("int4_per_token_head")
+    kv = np.random.default_rng(4).standard_normal((5, 2, 64)).astype(np.float32)
+    cache = kc.updated_cache(kv, kv, cache, np.arange(5))
+    kc.paged_attention(np.zeros((1, 4, 64), np.float32), cache, block_table=[[0]], seq_lens=[5])
+    addresses = [t.unsafe_buffer_pointer() for t in cache.tensors()]
+    copied = kc.updated_cache(kv, kv, cache, np.arange(5, 10))
+    donated = kc.updated_cache(kv, kv, cache, np.arange(5, 10), donate=True)
+    assert all(t.is_deleted() for t in cache.tensors())
+    assert [t.unsafe_buffer_pointer() for t in donated.tensors()] == addresses
+    for a, b in zip(copied.tensors(), donated.tensors()):
+        assert isinstance(b, jax.Array)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_updated_cache_takes_only_jax_caches_and_names_bad_arguments():
+    jnp = pytest.importorskip("jax").numpy
+    host, cache = jax_cache("int8_per_token_head")
+    kv = np.zeros((2, 2, 64), np.float32)
+    with pytest.raises(TypeError, match="cache.key_cache is a numpy array, which kvcupy writes in place"):
+        kc.updated_cache(kv, kv, host, np.arange(2))
+    with pytest.raises(ValueError, match=r"key has shape \(2, 3, 64\)"):
+        kc.updated_cache(np.zeros((2, 3, 64), np.float32), np.zeros((2, 3, 64), np.float32), cache, np.arange(2))
+    with pytest.raises(ValueError, match="slot_mapping holds slot 96"):
+        kc.updated_cache(kv, kv, cache, jnp.array([0, 96]))
+
+
+def test_jax_values_kvcupy_cannot_read_are_refused_by_name():
+    jax = pytest.importorskip("jax")
+    cache = kc.allocate_cache(2, 16, 2, 64)
+
+    def traced(query):
+        kc.paged_attention(query, cache, block_table=[[0]], seq_lens=[1])
+        return query
+    with pytest.raises(TypeError, match="query is a traced JAX value: kvcupy runs eagerly"):
+        jax.jit(traced)(jax.numpy.zeros((1, 4, 64)))
+
+
+def test_sharded_jax_arrays_are_refused_by_name():
+    """Over two (host) devices, a JAX array's DLPack export would hand over one shard."""
+    pytest.importorskip("jax")
+    script = ("import jax, numpy as np, kvcupy as kc\n"
+              "mesh = jax.sharding.Mesh(np.array(jax.devices()), ('d',))\n"
+              "spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('d'))\n"
+              "query = jax.device_put(np.zeros((2, 4, 64), np.float32), spec)\n"
+              "try:\n"
+              "    kc.paged_attention(query, kc.allocate_cache(2, 16, 2, 64), block_table=[[0], [0]], seq_lens=[1, 1])\n"
+              "except TypeError as error:\n"
+              "    print(error)\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert "query is a JAX array on 2 devices" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn])
+def test_results_go_back_to_jax_without_a_copy(dtype):
+    """Host results cross into JAX through DLPack (XLA takes 64-byte aligned host memory
+    as it is), bfloat16 and float8 labelled as themselves: no copy, no bitcast."""
+    jax = pytest.importorskip("jax")
+    raw = np.zeros(4096 + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    data = raw[start:start + 4096].view(dtype)
+    data[:] = np.arange(data.size) % 7
+    result = interop.to_jax(interop.Array(data, np.dtype(dtype), interop.HOST, "native", "out"),
+                               jax.numpy.zeros(1))
+    assert isinstance(result, jax.Array) and result.dtype == np.dtype(dtype)
+    assert result.unsafe_buffer_pointer() == data.ctypes.data
+    np.testing.assert_array_equal(np.asarray(result).view(np.uint8), data.view(np.uint8))
+
+
+# --- where a call runs: devices and streams -------------------------------------
+
+class OnDevice(DLPackOnly):
+    """Host memory that says it lives on CUDA device `index` (served by FakeBackend)."""
+
+    def __init__(self, array, index=0):
+        super().__init__(array)
+        self.index = index
+
+    def __dlpack_device__(self):
+        return (2, self.index)
+
+
+def test_index_and_data_arrays_on_another_device_are_refused_by_name(fake):
+    cache = kc.allocate_cache(4, 16, 2, 64, device="cuda")
+    kv = np.zeros((2, 2, 64), np.float32)
+    with pytest.raises(TypeError, match="slot_mapping is on cuda:1; expected the host or cuda:0"):
+        kc.reshape_and_cache(OnDevice(kv), OnDevice(kv), cache, OnDevice(np.arange(2), 1))
+    query = OnDevice(np.zeros((1, 4, 64), np.float32))
+    with pytest.raises(TypeError, match="block_table is on cuda:1; expected the host or cuda:0"):
+        kc.paged_attention(query, cache, block_table=OnDevice(np.zeros((1, 1), np.int32), 1), seq_lens=[1])
+    with pytest.raises(TypeError, match="query is on cuda:1 but the cache is on cuda:0"):
+        kc.paged_attention(OnDevice(np.zeros((1, 4, 64), np.float32), 1), cache, block_table=[[0]], seq_lens=[1])
+    assert fake.calls == [], "nothing reached the backend"
+
+
+class FakeCupy:
+    """Stands in for CuPy's device and stream contexts; logs what running_on does."""
+
+    def __init__(self):
+        self.log = []
+        self.cuda = self
+        self.Stream = self
+
+    def _context(self, *entry):
+        log = self.log
+
+        class Context:
+            def __enter__(self):
+                log.append(("enter",) + entry)
+
+            def __exit__(self, *exc):
+                log.append(("exit",) + entry)
+        return Context()
+
+    def Device(self, index):
+        return self._context("device", index)
+
+    def from_external(self, handle):
+        return self._context("stream", handle.__cuda_stream__()[1])
+
+
+def test_running_on_makes_the_device_current_then_the_callers_stream(monkeypatch):
+    """On a GPU kvcupy launches through: the device first (CuPy takes a stream only on
+    its own device), then the caller's stream; left in reverse order. CuPy's own
+    current stream (no source) is left as it is; the host needs neither."""
+    fake_cupy = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(interop, "_launches_through_cupy", lambda device: True)
+    monkeypatch.setattr(interop.StreamSource, "stream", lambda source: source.handle)
+    with interop.running_on(interop.Device("cuda", 1), interop.StreamSource("test", 0xBEEF)):
+        fake_cupy.log.append("work")
+    assert fake_cupy.log == [("enter", "device", 1), ("enter", "stream", 0xBEEF), "work",
+                             ("exit", "stream", 0xBEEF), ("exit", "device", 1)]
+    fake_cupy.log.clear()
+    with interop.running_on(interop.Device("cuda", 0)):
+        fake_cupy.log.append("work")
+    assert fake_cupy.log == [("enter", "device", 0), "work", ("exit", "device", 0)]
+    fake_cupy.log.clear()
+    with interop.running_on(interop.HOST, interop.StreamSource("test", 0xBEEF)):
+        fake_cupy.log.append("work")
+    assert fake_cupy.log == ["work"]
+
+
+def test_stream_sources_follow_the_framework():
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    assert interop.stream_source(np.zeros(1)) == interop.CUPY_STREAM
+    assert interop.stream_source(torch.zeros(1)) == interop.CUPY_STREAM, "a host tensor has no stream"
+    assert interop.stream_source(jax.numpy.zeros(1)) == interop.CUPY_STREAM, "nor does a host JAX array"
+
+
+def test_copy_on_write_runs_on_the_stream_of_the_managers_last_call(fake, monkeypatch):
+    """reserve() has no arrays of its own: its copies run where the latest write or
+    attention ran (torch's current stream for a torch caller), in order with them."""
+    entered = []
+    running_on = interop.running_on
+
+    def recording(device, source=interop.CUPY_STREAM):
+        entered.append((device, source))
+        return running_on(device, source)
+    monkeypatch.setattr(interop, "running_on", recording)
+    monkeypatch.setattr(interop, "stream_source", lambda x: interop.StreamSource("caller", id(x)))
+    mgr = kc.PagedKVCache(1, 8, 16, 2, 64, device="cuda")
+    kv = OnDevice(np.random.default_rng(5).standard_normal((20, 2, 64)).astype(np.float32))
+    first = mgr.add_sequence()
+    mgr.write(0, kv, kv, mgr.reserve([first], 20))
+    second = mgr.fork(first)
+    entered.clear()
+    fake.calls.clear()
+    mgr.reserve([first, second], 1)
+    assert fake.calls == ["copy_blocks"]
+    assert entered[0] == (interop.Device("cuda", 0), interop.StreamSource("caller", id(kv)))
