@@ -1,13 +1,13 @@
 // Entry points of the attention family: specialised by -D constants (see
 // kvcupy/backends/cuda_attention.py, which chooses them):
 //   KVC_ATTN_KV (attention.cuh's KV_* codes), KVC_HEAD_PAD, KVC_HEADS (warps = KV heads
-//   per block), KVC_M_TILES, KVC_TILE, KVC_STAGES, KVC_CHUNK; KVC_OUT_T, KVC_IN_T.
+//   per block), KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK; KVC_OUT_T, KVC_IN_T.
 #include "attention.cuh"
 
 using namespace kvc_attn;
 
 #ifdef KVC_ATTN_KV
-typedef Attention<KVC_ATTN_KV, KVC_HEAD_PAD, KVC_HEADS, KVC_M_TILES, KVC_TILE, KVC_STAGES, KVC_CHUNK> Kernel;
+typedef Attention<KVC_ATTN_KV, KVC_HEAD_PAD, KVC_HEADS, KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK> Kernel;
 
 extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS, KVC_MIN_BLOCKS)
 paged_attention(const float* query, const u8* key_cache, const u8* value_cache, const u8* k_scales,

@@ -7,24 +7,26 @@
 // each warp reads its head's rows from shared memory.
 //
 // The warp computes with mma.sync m16n8k16 (fp16, or bf16 for bf16 caches,
-// fp32 accumulators):
-//   scores  S[row, token] = Q[row, :] . K[token, :]       M = query rows, N = tokens
-//   output  O^T[dim, row] += V^T[dim, token] . P^T[token, row]   M = dims, N = rows
-// Rows are (query token, query head of the KV head's group) pairs, 8 per M tile;
-// the other 8 rows of each M tile carry the low half of a two-term split of the
-// query (q = hi + lo, both fp16), so that scores keep ~22 bits of the query
-// instead of fp16's 11 at no extra instruction: S = C[row] + C[row + 8].
-// The score fragments of the first product are, per thread, exactly the P
-// fragments the second one needs (FlashAttention-2's register reuse).
+// fp32 accumulators), 16 tokens a step:
+//   scores  S^T[token, column] = K[token, :] . Q^T[:, column]     M = tokens, N = columns
+//   output  O^T[dim, column] += V^T[dim, token] . P^T[token, column]   M = dims, N = columns
+// Rows are (query token, query head of the KV head's group) pairs, 4 per
+// "quad". A quad's 8 score columns hold each row twice, as the high and the
+// low fp16 half of a two-term split of the query (q = hi + lo), so that scores
+// keep ~22 bits of the query instead of fp16's 11: S = C[2r] + C[2r + 1], both
+// in the lane t = r that then owns the row's softmax. The output's 8 columns
+// hold the rows of two quads (or one quad's probabilities as high and low
+// halves), so a lane's accumulators are the rows it computed the softmax of.
+// P^T reaches the output product's fragment layout through movmatrix.
 //
-// Cache codes enter the products exactly: int4 nibbles and int8 codes are
-// small integers, fp8 e4m3 is a subset of fp16 times 2^-8, and the int4
-// zero-point is subtracted while converting (code - zp is an exact fp16
-// integer). Scales apply in fp32 on the score side (K) and on the
-// probability side (V). For V the probabilities are multiplied by
-// scale / R, R the largest V scale seen so far by this warp (a running
-// reference, rescaled like the softmax maximum), so that the fp16 operand
-// stays in [0, 1] whatever the scales.
+// Cache codes enter the products exactly: int4 nibbles and int8 codes as
+// OFFSET + code (exact fp16 integers), fp8 e4m3 as a subset of fp16 times
+// 2^-8. Offsets and zero-points come out on the score side (K: per-row sums
+// of the query) and through per-row sums of the probabilities (V); scales
+// apply in fp32 on the score side (K) and on the probability side (V). For V
+// the probabilities are multiplied by scale / R, R the largest V scale seen
+// so far by this warp (a running reference, rescaled like the softmax
+// maximum), so that the fp16 operand stays in [0, 1] whatever the scales.
 //
 // A head-dimension permutation is free where Q and K share it, so each
 // format's bytes are read in the order that drops them straight into the
@@ -68,11 +70,12 @@ enum { KV_INT4 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_F16 = 3, KV_BF16 = 4 };
 
 // --- compile-time shape ----------------------------------------------------
 
-template <int KV, int HEAD_PAD, int HEADS, int M_TILES, int TILE, int STAGES, int CHUNK>
+template <int KV, int HEAD_PAD, int HEADS, int QUADS, int TILE, int STAGES, int CHUNK>
 struct Traits {
   static_assert(HEAD_PAD % 32 == 0 && HEAD_PAD >= 32 && HEAD_PAD <= 256, "head size class");
   static_assert(TILE % 16 == 0, "tiles are whole 16-token mma steps");
   static_assert(CHUNK == 1 || CHUNK == 4 || CHUNK == 8 || CHUNK == 16, "copy granule");
+  static_assert(QUADS == 1 || QUADS == 2 || QUADS == 4, "4, 8 or 16 query rows a warp");
   static constexpr int kThreads = 32 * HEADS;
   static constexpr bool kBf16 = KV == KV_BF16;
   // Bytes of one stored head row at the padded head size.
@@ -254,6 +257,19 @@ __device__ __forceinline__ float sum_over_quad(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// Over the 8 lanes g of one t: the tokens of a score fragment's columns.
+__device__ __forceinline__ float max_over_columns(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+
+__device__ __forceinline__ float sum_over_columns(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+
 // --- what a lane reads of a row ------------------------------------------------
 
 // Lane `lane` of the LANES lanes that read one row takes its bytes in vectors
@@ -298,9 +314,9 @@ namespace kvc_attn {
 
 // --- the block ---------------------------------------------------------------
 
-template <int KV, int HEAD_PAD, int HEADS, int M_TILES, int TILE, int STAGES, int CHUNK>
+template <int KV, int HEAD_PAD, int HEADS, int QUADS, int TILE, int STAGES, int CHUNK>
 struct Attention {
-  typedef Traits<KV, HEAD_PAD, HEADS, M_TILES, TILE, STAGES, CHUNK> T;
+  typedef Traits<KV, HEAD_PAD, HEADS, QUADS, TILE, STAGES, CHUNK> T;
   static constexpr int KC = T::kKChunks;
   static constexpr int MD = T::kDimTiles;
   static constexpr bool kQuantized = KV == KV_INT4 || KV == KV_INT8 || KV == KV_FP8;
@@ -501,8 +517,8 @@ struct Attention {
   static constexpr int kKeyVecBytes = 4 * T::kKeyVector;
   static constexpr int kValueVecBytes = 2 * T::kValueVector;
 
-  // Keys: lane t's word w becomes fp16 pairs that are the B fragment's {b0, b1}
-  // (logical dims 16 kc + 2t + {0, 1}) and {b2, b3} (16 kc + 8 + 2t + {0, 1}).
+  // Keys: lane t's words become one token's fp16 pairs of logical dims
+  // 16 kc + 2t + {0, 1} and 16 kc + 8 + 2t + {0, 1} (key_fragment).
   static __device__ __forceinline__ int key_dim_of(int logical) {
     const int kc = logical >> 4, pos = logical & 15;
     const int high8 = pos >> 3, t = (pos & 7) >> 1, half = pos & 1;
@@ -532,7 +548,8 @@ struct Attention {
     }
   }
 
-  // The B fragment {b0b1, b2b3} of k step kc from lane t's words of one token's key row.
+  // One token's half of k step kc's A fragment (a0, a2 for token g; a1, a3 for g + 8):
+  // dims 16 kc + 2t + {0, 1} and 16 kc + 8 + 2t + {0, 1}, from lane t's words of its key row.
   static __device__ __forceinline__ void key_fragment(const u32* words, int kc, u32& b0, u32& b1) {
     if constexpr (KV == KV_INT4) {
       const u32 word = (kc & 1) ? words[kc >> 1] >> 8 : words[kc >> 1];
@@ -605,12 +622,27 @@ struct Attention {
     return kBf16 ? unpack_bf162(x) : unpack_half2(x);
   }
 
+  // P^T fragments from P: thread (g, t) holds the b16 pair of row g, columns
+  // 2t, 2t + 1 of an 8 x 8 matrix and receives the pair of its transpose.
+  static __device__ __forceinline__ u32 transpose8x8(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+  }
+
   static __device__ void run(const Params& p, int block_shift) {
     extern __shared__ __align__(16) u8 smem[];
-    // One softmax step takes 16 tokens: 2 n tiles of the score product, 1 k step
-    // of the output product (a 32-token step needs ~90 more registers: spills).
-    constexpr int NT = 2;
-    constexpr int KS = 1;
+    // Score product S^T[token, column] = K[token, :] . Q^T[:, column] per quad of
+    // 4 query rows: column 2r + part is row r's high (part 0) or low (part 1)
+    // fp16 half, so thread (g, t) ends with the scores of row t, tokens g and
+    // g + 8 (c0 + c1, c2 + c3): every lane a row of its own, no lane idle.
+    // Output product O^T[dim, column] += V^T[dim, token] . P^T[token, column]
+    // per pair of quads: column 2t + j is row t of quad 2 np + j, or with an odd
+    // number of quads, the low half of the last quad's probabilities (j = 1).
+    // Either way a lane's accumulators belong to the rows it computes the
+    // softmax of: rescaling them needs no shuffle.
+    constexpr int NP = (QUADS + 1) / 2;                   // output column tiles
+    constexpr bool kLowSlot = QUADS % 2 == 1;             // the last tile's j = 1: low halves
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int seq = p.tiles[2 * blockIdx.y], row_tile = p.tiles[2 * blockIdx.y + 1];
@@ -622,7 +654,7 @@ struct Attention {
     const int q_begin = p.cu_seqlens_q[seq];
     const int q_len = p.cu_seqlens_q[seq + 1] - q_begin;
     const int seq_len = min(p.seq_lens[seq], p.table_width * p.block_size);
-    constexpr int ROWS = 8 * M_TILES;
+    constexpr int ROWS = 4 * QUADS;
     const int row_begin = row_tile * ROWS;
     const int total_rows = q_len * p.group;
     // Ids from a device, unchecked: a tile that means nothing writes nothing.
@@ -636,20 +668,21 @@ struct Attention {
     const int key_hi = min(last_position + 1, (split + 1) * p.split_tokens);
     const int* table = p.block_table + static_cast<long long>(seq) * p.table_width;
 
-    // Query fragments: rows 0-7 of each M tile the high fp16 part, rows 8-15 the low;
-    // offset_weight, zero_point_weight: what the products' code offsets add to a
-    // score, per unit of OFFSET and of zero-point (sums of the row as the products
-    // see it, hi + lo, with high int4 nibbles' dims counted 16 times for the codes).
-    u32 qa[M_TILES][KC][4];
-    float row_unscale[M_TILES], offset_weight[M_TILES], zero_point_weight[M_TILES];
-    int row_position[M_TILES];
-    bool row_valid[M_TILES];
+    // Query fragments: lane (g, t) holds column g of each quad, i.e. the high
+    // (g even) or low (g odd) fp16 part of row g / 2. Per row: row_unscale,
+    // offset_weight and zero_point_weight (what the products' code offsets add
+    // to a score, per unit of OFFSET and of zero-point: sums of the row as the
+    // products see it, hi + lo, high int4 nibbles' dims counted 16 times for
+    // the codes), moved to the lanes t that own the row's softmax.
+    u32 qb[QUADS][KC][2];
+    float row_unscale[QUADS], offset_weight[QUADS], zero_point_weight[QUADS];
+    int row_position[QUADS];
+    bool row_valid[QUADS];
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-      const int row = row_begin + mt * 8 + g;
-      row_valid[mt] = row < total_rows;
+    for (int quad = 0; quad < QUADS; ++quad) {
+      const int row = row_begin + quad * 4 + (g >> 1);
+      const bool valid = row < total_rows;
       const int token = row / p.group;
-      row_position[mt] = context + token;
       const float* q = p.query + (static_cast<long long>(q_begin + token) * p.num_heads +
                                   kv_head * p.group + row % p.group) * p.head_size;
       float values[KC][4];
@@ -660,7 +693,7 @@ struct Attention {
         for (int i = 0; i < 4; ++i) {
           const int logical = 16 * kc + 2 * t + (i & 1) + 8 * (i >> 1);
           const int channel = key_dim_of(logical);
-          values[kc][i] = row_valid[mt] && channel < p.head_size ? q[channel] : 0.f;
+          values[kc][i] = valid && channel < p.head_size ? q[channel] : 0.f;
           largest = fmaxf(largest, fabsf(values[kc][i]));
         }
       }
@@ -669,38 +702,42 @@ struct Attention {
       int exponent = 0;
       frexpf(largest, &exponent);
       const float up = largest > 0.f && isfinite(largest) ? ldexpf(1.f, 14 - exponent) : 1.f;
-      row_unscale[mt] = 1.f / up;
       float sum = 0.f, code_sum = 0.f;
 #pragma unroll
       for (int kc = 0; kc < KC; ++kc) {
-        float hi[4], lo[4];
+        float part[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float high = i >= 2 ? kHighNibble : 1.f;   // dims 16 kc + 8.. (exact: a power of two)
           const float v = values[kc][i] * up / high;
-          hi[i] = unpack(pack(v, 0.f)).x;
-          lo[i] = unpack(pack(v - hi[i], 0.f)).x;
-          sum += hi[i] + lo[i];
-          code_sum += (hi[i] + lo[i]) * high;
+          const float hi = unpack(pack(v, 0.f)).x;
+          const float lo = unpack(pack(v - hi, 0.f)).x;
+          sum += hi + lo;
+          code_sum += (hi + lo) * high;
+          part[i] = (g & 1) ? lo : hi;
         }
-        qa[mt][kc][0] = pack(hi[0], hi[1]);
-        qa[mt][kc][1] = pack(lo[0], lo[1]);
-        qa[mt][kc][2] = pack(hi[2], hi[3]);
-        qa[mt][kc][3] = pack(lo[2], lo[3]);
+        qb[quad][kc][0] = pack(part[0], part[1]);
+        qb[quad][kc][1] = pack(part[2], part[3]);
       }
-      offset_weight[mt] = kOffsetValue * sum_over_quad(sum);
-      zero_point_weight[mt] = sum_over_quad(code_sum);
+      // Row t of the quad lives in lanes g = 2t, 2t + 1: lane 8t has it whole.
+      const float unscale = 1.f / up, weight = kOffsetValue * sum_over_quad(sum), zp_weight = sum_over_quad(code_sum);
+      row_unscale[quad] = __shfl_sync(0xffffffffu, unscale, 8 * t);
+      offset_weight[quad] = __shfl_sync(0xffffffffu, weight, 8 * t);
+      zero_point_weight[quad] = __shfl_sync(0xffffffffu, zp_weight, 8 * t);
+      const int own_row = row_begin + quad * 4 + t;
+      row_valid[quad] = own_row < total_rows;
+      row_position[quad] = context + own_row / p.group;
     }
 
-    // Extremes over the tile's valid rows (the same in every warp): masks can be
+    // Extremes over the tile's valid rows (the same in every lane): masks can be
     // skipped for a step that every row sees whole. Rows past the end are left
     // unmasked then: they only ever feed outputs that are never written.
     int min_row_position = 0x7fffffff, max_row_position = -1;
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-      if (row_valid[mt]) {
-        min_row_position = min(min_row_position, row_position[mt]);
-        max_row_position = max(max_row_position, row_position[mt]);
+    for (int quad = 0; quad < QUADS; ++quad) {
+      if (row_valid[quad]) {
+        min_row_position = min(min_row_position, row_position[quad]);
+        max_row_position = max(max_row_position, row_position[quad]);
       }
     }
     for (int offset = 16; offset >= 1; offset /= 2) {
@@ -708,23 +745,28 @@ struct Attention {
       max_row_position = max(max_row_position, __shfl_xor_sync(0xffffffffu, max_row_position, offset));
     }
 
-    float out[MD][M_TILES][4];
-    // sum_j p'_j (OFFSET + zp_j) per row in out's layout for dim row 0, and (OFFSET + 16 zp_j) for dim row 8.
-    float offset_sum[M_TILES][4];
+    float out[MD][NP][4];
+    // What the codes' offsets add to every output channel, from one more output
+    // product whose A has two rows, OFFSET + zp_j for low-nibble dims (row 0)
+    // and OFFSET + 16 zp_j for high ones (row 8): lanes g = 0 hold them, in
+    // out's column layout. The same tensor-core sums as the outputs' (rather
+    // than fp32 sums of the zero-points on the side), so that the large parts
+    // cancel closely: the per-channel error at 32768 tokens showed the difference.
+    float offset_sum[NP][4];
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
+    for (int np = 0; np < NP; ++np) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) offset_sum[mt][i] = 0.f;
+      for (int i = 0; i < 4; ++i) offset_sum[np][i] = 0.f;
 #pragma unroll
       for (int md = 0; md < MD; ++md)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) out[md][mt][i] = 0.f;
+        for (int i = 0; i < 4; ++i) out[md][np][i] = 0.f;
     }
-    float running_max[M_TILES], running_sum[M_TILES];
+    float running_max[QUADS], running_sum[QUADS];
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-      running_max[mt] = -KVC_INFINITY;
-      running_sum[mt] = 0.f;
+    for (int quad = 0; quad < QUADS; ++quad) {
+      running_max[quad] = -KVC_INFINITY;
+      running_sum[quad] = 0.f;
     }
     float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
@@ -791,53 +833,48 @@ struct Attention {
 
 #pragma unroll 1
       for (int step = 0; step < (KVC_STAGING_ONLY ? 0 : TILE / 16); ++step) {
-        // Scores of tokens nt*8 + 2t + {0, 1}, rows g (high + low parts).
-        float score[M_TILES][NT][4];
+        // Scores of tokens g (c0 + c1) and g + 8 (c2 + c3), row t of each quad.
+        float score[QUADS][4];
   #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
+        for (int quad = 0; quad < QUADS; ++quad)
   #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-  #pragma unroll
-            for (int i = 0; i < 4; ++i) score[mt][nt][i] = 0.f;
-  #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const u8* row = keys + (step * 16 + nt * 8 + g) * T::kKeyStride;
-          u32 words[T::kKeyWords];
+          for (int i = 0; i < 4; ++i) score[quad][i] = 0.f;
+        {
+          // The A fragment of k step kc is the two tokens' {b0, b1} pairs interleaved.
+          const u8* row = keys + (step * 16 + g) * T::kKeyStride;
+          u32 words[2][T::kKeyWords];
   #pragma unroll
           for (int vector = 0; vector < T::kKeyWords / T::kKeyVector; ++vector) {
-            load_lane_vector<kKeyVecBytes, 4>(row, t, vector, words);
+            load_lane_vector<kKeyVecBytes, 4>(row, t, vector, words[0]);
+            load_lane_vector<kKeyVecBytes, 4>(row + 8 * T::kKeyStride, t, vector, words[1]);
   #pragma unroll
             for (int kc = 0; kc < KC; ++kc) {
               if (key_word_of(kc) / T::kKeyVector != vector) continue;
-              u32 b0, b1;
-              key_fragment(words, kc, b0, b1);
+              u32 a[4];
+              key_fragment(words[0], kc, a[0], a[2]);
+              key_fragment(words[1], kc, a[1], a[3]);
   #pragma unroll
-              for (int mt = 0; mt < M_TILES; ++mt) mma<kBf16>(score[mt][nt], qa[mt][kc], b0, b1);
+              for (int quad = 0; quad < QUADS; ++quad) mma<kBf16>(score[quad], a, qb[quad][kc][0], qb[quad][kc][1]);
             }
           }
         }
-        // This thread's column tokens: nt*8 + 2t + {0, 1}, i = 2 nt + {0, 1}.
-        float key_scale[2 * NT], value_scale[2 * NT], key_zero_point[2 * NT];
-        u32 value_bits[2 * NT];
+        // This thread's tokens: g (i = 0) and g + 8 (i = 1).
+        float key_scale[2], value_scale[2], key_zero_point[2];
+        u32 value_bits[2];
   #pragma unroll
-        for (int i = 0; i < 2 * NT; ++i) {
-          const int column = step * 16 + (i >> 1) * 8 + 2 * t + (i & 1);
+        for (int i = 0; i < 2; ++i) {
+          const int column = step * 16 + g + 8 * i;
           const u32 key_bits = kQuantized ? key_scales[column * HEADS] : 0u;
+          value_bits[i] = kQuantized ? value_scales[column * HEADS] : 0u;
           key_scale[i] = kQuantized ? scale_of(key_bits) * kCodeUnit : 1.f;
           key_zero_point[i] = zero_point_of(key_bits);
-          value_bits[i] = kQuantized ? value_scales[column * HEADS] : 0u;
           value_scale[i] = kQuantized ? scale_of(value_bits[i]) * kCodeUnit : 1.f;
           // A row past the keys holds stale bytes under bulk staging: its scale
           // must not set R (its probability is 0 anyway).
           if (KVC_BULK && base + column >= key_hi) value_scale[i] = 0.f;
         }
         float tile_reference = reference;
-        if constexpr (kQuantized) {
-          float largest = value_scale[0];
-  #pragma unroll
-          for (int i = 1; i < 2 * NT; ++i) largest = fmaxf(largest, value_scale[i]);
-          tile_reference = fmaxf(reference, max_over_quad(largest));
-        }
+        if constexpr (kQuantized) tile_reference = fmaxf(reference, max_over_columns(fmaxf(value_scale[0], value_scale[1])));
         // Approximate division suffices: these only choose the units of the
         // accumulators, and `unchanged` compares the references themselves.
         bool unchanged = tile_reference == reference;
@@ -846,87 +883,91 @@ struct Attention {
         const float to_reference = tile_reference > 0.f ? __fdividef(1.f, tile_reference) : 1.f;
         reference = tile_reference;
 
-        u32 pb[M_TILES][KS][2][2];   // P^T fragments per k step (and their low parts for bf16 caches)
-        float alpha[M_TILES];
+        // Probabilities times value scale / R of tokens g, g + 8 per quad, as
+        // the fp16 (bf16) values the output product sees: high halves, and the
+        // low halves where an operand carries them.
+        float weighted_high[QUADS][2], weighted_low[QUADS][2];
+        float alpha[QUADS];
+        const int step_first = base + step * 16;
   #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-          float s[2 * NT];
-          float tile_max = -KVC_INFINITY;
+        for (int quad = 0; quad < QUADS; ++quad) {
+          float s[2];
           // Every row sees every token of this step (the usual decode step): no masks.
-          const int step_first = base + step * 16;
           const bool all_visible = step_first + 16 <= key_hi && step_first + 15 <= min_row_position &&
                                    (p.window == 0 || step_first > max_row_position - p.window);
   #pragma unroll
-          for (int i = 0; i < 2 * NT; ++i) {
-            const int nt = i >> 1, c = i & 1;
-            float raw = score[mt][nt][c] + score[mt][nt][c + 2];
-            if constexpr (KV == KV_INT4) raw -= fmaf(key_zero_point[i], zero_point_weight[mt], offset_weight[mt]);
-            else if constexpr (kOffset) raw -= offset_weight[mt];
-            float v = raw * row_unscale[mt] * key_scale[i];
+          for (int i = 0; i < 2; ++i) {
+            float raw = score[quad][2 * i] + score[quad][2 * i + 1];
+            if constexpr (KV == KV_INT4) raw -= fmaf(key_zero_point[i], zero_point_weight[quad], offset_weight[quad]);
+            else if constexpr (kOffset) raw -= offset_weight[quad];
+            float v = raw * row_unscale[quad] * key_scale[i];
             if (p.softcap > 0.f) v = p.softcap * tanhf(v / p.softcap);
             s[i] = v;
           }
           if (!all_visible) {   // uniform across the warp: a branch, not selects on every score
   #pragma unroll
-            for (int i = 0; i < 2 * NT; ++i) {
-              const int position = step_first + (i >> 1) * 8 + 2 * t + (i & 1);
-              const bool visible = row_valid[mt] && position < key_hi && position <= row_position[mt] &&
-                                   (p.window == 0 || position > row_position[mt] - p.window);
+            for (int i = 0; i < 2; ++i) {
+              const int position = step_first + g + 8 * i;
+              const bool visible = row_valid[quad] && position < key_hi && position <= row_position[quad] &&
+                                   (p.window == 0 || position > row_position[quad] - p.window);
               if (!visible) s[i] = -KVC_INFINITY;
             }
           }
-  #pragma unroll
-          for (int i = 0; i < 2 * NT; ++i) tile_max = fmaxf(tile_max, s[i]);
-          tile_max = max_over_quad(tile_max);
-          const float new_max = fmaxf(running_max[mt], tile_max);
+          const float tile_max = max_over_columns(fmaxf(s[0], s[1]));
+          const float new_max = fmaxf(running_max[quad], tile_max);
           const float shift = new_max == -KVC_INFINITY ? 0.f : new_max;
-          alpha[mt] = new_max == running_max[mt] ? 1.f : fast_exp2((running_max[mt] - shift) * kLog2e);
-          unchanged = unchanged && alpha[mt] == 1.f;
-          running_max[mt] = new_max;
-          float weighted[2 * NT], sum = 0.f;
+          alpha[quad] = new_max == running_max[quad] ? 1.f : fast_exp2((running_max[quad] - shift) * kLog2e);
+          unchanged = unchanged && alpha[quad] == 1.f;
+          running_max[quad] = new_max;
+          float sum = 0.f;
   #pragma unroll
-          for (int i = 0; i < 2 * NT; ++i) {
+          for (int i = 0; i < 2; ++i) {
             const float prob = fast_exp2((s[i] - shift) * kLog2e);
             sum += prob;
             // A token no row here sees adds nothing, even with a NaN scale.
-            weighted[i] = prob == 0.f ? 0.f : prob * (kQuantized ? value_scale[i] * to_reference : 1.f);
+            const float w = prob == 0.f ? 0.f : prob * (kQuantized ? value_scale[i] * to_reference : 1.f);
+            weighted_high[quad][i] = unpack(pack(w, 0.f)).x;
+            weighted_low[quad][i] = unpack(pack(w - weighted_high[quad][i], 0.f)).x;
           }
-          running_sum[mt] = running_sum[mt] * alpha[mt] + sum;
-  #pragma unroll
-          for (int ks = 0; ks < KS; ++ks) {
-            pb[mt][ks][0][0] = pack(weighted[4 * ks + 0], weighted[4 * ks + 1]);
-            pb[mt][ks][0][1] = pack(weighted[4 * ks + 2], weighted[4 * ks + 3]);
-            if constexpr (kBf16) {
-              const float2 h01 = unpack(pb[mt][ks][0][0]), h23 = unpack(pb[mt][ks][0][1]);
-              pb[mt][ks][1][0] = pack(weighted[4 * ks + 0] - h01.x, weighted[4 * ks + 1] - h01.y);
-              pb[mt][ks][1][1] = pack(weighted[4 * ks + 2] - h23.x, weighted[4 * ks + 3] - h23.y);
-            }
-          }
+          running_sum[quad] = running_sum[quad] * alpha[quad] + sum;
         }
         // Rescale the accumulators, unless no row's max and not R moved (the common
-        // case once a few tiles are in). Their columns are rows 2t, 2t+1, whose
-        // factors live in the lanes with groupID 2t and 2t+1.
+        // case once a few tiles are in). Column 2t + j is this lane's row of quad 2 np + j.
         if (!__all_sync(0xffffffffu, unchanged)) {
   #pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt) {
-            const float f0 = __shfl_sync(0xffffffffu, alpha[mt], (2 * t) * 4) * rescale_values;
-            const float f1 = __shfl_sync(0xffffffffu, alpha[mt], (2 * t + 1) * 4) * rescale_values;
+          for (int np = 0; np < NP; ++np) {
+            const float f0 = alpha[2 * np] * rescale_values;
+            const float f1 = (kLowSlot && np == NP - 1 ? alpha[2 * np] : alpha[min(2 * np + 1, QUADS - 1)]) * rescale_values;
   #pragma unroll
             for (int md = 0; md < MD; ++md) {
-              out[md][mt][0] *= f0;
-              out[md][mt][1] *= f1;
-              out[md][mt][2] *= f0;
-              out[md][mt][3] *= f1;
+              out[md][np][0] *= f0;
+              out[md][np][1] *= f1;
+              out[md][np][2] *= f0;
+              out[md][np][3] *= f1;
             }
-            offset_sum[mt][0] *= f0;
-            offset_sum[mt][1] *= f1;
-            offset_sum[mt][2] *= f0;
-            offset_sum[mt][3] *= f1;
+            offset_sum[np][0] *= f0;
+            offset_sum[np][1] *= f1;
+            offset_sum[np][2] *= f0;
+            offset_sum[np][3] *= f1;
           }
         }
+        // P^T fragments: lane (g, t) packs row g (token), columns 2t, 2t + 1 of
+        // each 8 x 8 half (tokens 0-7, 8-15) and the transpose hands it column
+        // g, tokens 2t, 2t + 1: the B fragment {b0, b1}.
+        u32 pb[NP][2][2];   // [np][high, low][b0, b1]
   #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-          const int first = step * 16 + ks * 16;
+        for (int np = 0; np < NP; ++np) {
+          const int second = min(2 * np + 1, QUADS - 1);
+  #pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float w0 = weighted_high[2 * np][i];
+            const float w1 = kLowSlot && np == NP - 1 ? weighted_low[2 * np][i] : weighted_high[second][i];
+            pb[np][0][i] = transpose8x8(pack(w0, w1));
+            if constexpr (kBf16 && !kLowSlot)
+              pb[np][1][i] = transpose8x8(pack(weighted_low[2 * np][i], weighted_low[second][i]));
+          }
+        }
+        {
           // Lane g's share of the value rows of tokens 2t, 2t+1, 2t+8, 2t+9, a vector
           // of units at a time, each used by the M tiles it holds.
           u32 words[4][(T::kValueUnits + 1) / 2];
@@ -935,7 +976,7 @@ struct Attention {
           for (int vector = 0; vector < T::kValueUnits / T::kValueVector; ++vector) {
   #pragma unroll
             for (int c = 0; c < 4; ++c)
-              load_lane_vector<kValueVecBytes, 8>(values + (first + 2 * t + (c & 1) + 8 * (c >> 1)) * T::kValueStride,
+              load_lane_vector<kValueVecBytes, 8>(values + (step * 16 + 2 * t + (c & 1) + 8 * (c >> 1)) * T::kValueStride,
                                                   g, vector, words[c]);
   #pragma unroll
             for (int md = 0; md < MD; ++md) {
@@ -943,25 +984,27 @@ struct Attention {
               u32 a[4];
               value_fragment(rows, md, a);
   #pragma unroll
-              for (int mt = 0; mt < M_TILES; ++mt) {
-                mma<kBf16>(out[md][mt], a, pb[mt][ks][0][0], pb[mt][ks][0][1]);
-                if constexpr (kBf16) mma<kBf16>(out[md][mt], a, pb[mt][ks][1][0], pb[mt][ks][1][1]);
+              for (int np = 0; np < NP; ++np) {
+                mma<kBf16>(out[md][np], a, pb[np][0][0], pb[np][0][1]);
+                if constexpr (kBf16 && !kLowSlot) mma<kBf16>(out[md][np], a, pb[np][1][0], pb[np][1][1]);
               }
             }
           }
           if constexpr (kOffset) {
-            // One more product whose A has two rows, OFFSET + zp of each token for
-            // low-nibble dims (row 0) and OFFSET + 16 zp for high ones (row 8): it
-            // sums what the offsets added to every output channel, exactly.
+            // Lane (0, t) needs tokens 2t, 2t + 1 (and + 8): the scale words of lanes g = 2t, 2t + 1.
             u32 a[4] = {0u, 0u, 0u, 0u};
+            const u32 bits_a0 = __shfl_sync(0xffffffffu, value_bits[0], 8 * t);
+            const u32 bits_a1 = __shfl_sync(0xffffffffu, value_bits[0], 8 * t + 4);
+            const u32 bits_b0 = __shfl_sync(0xffffffffu, value_bits[1], 8 * t);
+            const u32 bits_b1 = __shfl_sync(0xffffffffu, value_bits[1], 8 * t + 4);
             if (g == 0) {
-              a[0] = offset_pair(value_bits[4 * ks + 0], value_bits[4 * ks + 1], false);
-              a[1] = offset_pair(value_bits[4 * ks + 0], value_bits[4 * ks + 1], true);
-              a[2] = offset_pair(value_bits[4 * ks + 2], value_bits[4 * ks + 3], false);
-              a[3] = offset_pair(value_bits[4 * ks + 2], value_bits[4 * ks + 3], true);
+              a[0] = offset_pair(bits_a0, bits_a1, false);
+              a[1] = offset_pair(bits_a0, bits_a1, true);
+              a[2] = offset_pair(bits_b0, bits_b1, false);
+              a[3] = offset_pair(bits_b0, bits_b1, true);
             }
   #pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) mma<kBf16>(offset_sum[mt], a, pb[mt][ks][0][0], pb[mt][ks][0][1]);
+            for (int np = 0; np < NP; ++np) mma<kBf16>(offset_sum[np], a, pb[np][0][0], pb[np][0][1]);
           }
         }
       }
@@ -969,39 +1012,40 @@ struct Attention {
     }
     cp_async_wait<0>();
 
-    // Partial state of this split: max and sum per row (lanes t == 0), and the
+    // Partial state of this split: max and sum per row (lanes g == 0), and the
     // accumulators times R in the cache's channel order.
     const long long split_rows = static_cast<long long>(split) * p.num_tokens;
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-      const float sum = sum_over_quad(running_sum[mt]);
-      const int row = row_begin + mt * 8 + g;
-      if (t == 0 && row_valid[mt]) {
-        const long long index =
-            (split_rows + q_begin + row / p.group) * p.num_heads + kv_head * p.group + row % p.group;
-        p.part_stats[2 * index] = running_max[mt];
+    for (int quad = 0; quad < QUADS; ++quad) {
+      const int row = row_begin + quad * 4 + t;
+      const float sum = sum_over_columns(running_sum[quad]);
+      // Columns 2t (+ 2t + 1 for the low halves) of tile quad / 2 hold this row;
+      // the offset sums of those columns sit in lane t (g = 0): [c] for output
+      // dims g, [c + 2] for dims g + 8.
+      const int np = quad / 2, j = quad % 2;
+      const bool with_low = kLowSlot && np == NP - 1;
+      float offsets[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float column0 = kOffset ? __shfl_sync(0xffffffffu, offset_sum[np][2 * r], t) : 0.f;
+        const float column1 = kOffset ? __shfl_sync(0xffffffffu, offset_sum[np][2 * r + 1], t) : 0.f;
+        offsets[r] = with_low ? column0 + column1 : j ? column1 : column0;
+      }
+      if (!row_valid[quad]) continue;
+      const long long index = (split_rows + q_begin + row / p.group) * p.num_heads + kv_head * p.group + row % p.group;
+      if (g == 0) {
+        p.part_stats[2 * index] = running_max[quad];
         p.part_stats[2 * index + 1] = sum;
       }
-      // The offsets' sums for rows 2t, 2t+1 sit in lane t (groupID 0): [c] for
-      // output rows g, [c + 2] for rows g + 8.
-      float offsets[4];
+      float* destination = p.part_out + index * p.head_size;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) offsets[i] = kOffset ? __shfl_sync(0xffffffffu, offset_sum[mt][i], t) : 0.f;
+      for (int md = 0; md < MD; ++md) {
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int out_row = row_begin + mt * 8 + 2 * t + c;
-        if (out_row >= total_rows) continue;
-        const long long index = (split_rows + q_begin + out_row / p.group) * p.num_heads +
-                                kv_head * p.group + out_row % p.group;
-        float* destination = p.part_out + index * p.head_size;
-#pragma unroll
-        for (int md = 0; md < MD; ++md) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int channel = value_dim_of(16 * md + g + 8 * r);
-            const float unit = r ? reference / kHighNibble : reference;
-            if (channel < p.head_size) destination[channel] = (out[md][mt][c + 2 * r] - offsets[c + 2 * r]) * unit;
-          }
+        for (int r = 0; r < 2; ++r) {
+          const int channel = value_dim_of(16 * md + g + 8 * r);
+          const float unit = r ? reference / kHighNibble : reference;
+          const float accumulated = with_low ? out[md][np][2 * r] + out[md][np][2 * r + 1] : out[md][np][2 * r + j];
+          if (channel < p.head_size) destination[channel] = (accumulated - offsets[r]) * unit;
         }
       }
     }

@@ -32,9 +32,9 @@ STAGES = 3               # cp.async pipeline depth
 STAGE_BYTES_TARGET = 40 * 1024   # keep a stage (K + V + scales) near this: 2 blocks a multiprocessor
 SHARED_BYTES_PER_SM = 227 * 1024
 MAX_SPLITS = 256
-# Two M tiles (16 query rows a warp) double the accumulators: above this head size
-# they spill even at 255 registers, so larger heads take more row tiles instead.
-MAX_HEAD_PAD_TWO_TILES = 128
+# Four quads (16 query rows a warp) double the accumulators of two: above this
+# head size they spill even at 255 registers, so larger heads take more row tiles.
+MAX_HEAD_PAD_FOUR_QUADS = 128
 MIN_TILES_PER_SPLIT = 4  # a split below this many tiles costs more in merging than it gains
 
 
@@ -45,24 +45,24 @@ class Kernel:
     kv: int
     head_pad: int
     heads: int          # warps per block = KV heads per block
-    m_tiles: int        # 8 query rows each
+    quads: int          # query rows a warp, 4 each: 1, 2 or 4
     tile: int           # tokens per pipeline stage
     chunk: int          # bytes per cp.async (1: plain byte loads)
     bulk: bool = False  # stage rows with sm_90's bulk copies (attention.cuh's KVC_BULK)
 
     @property
     def blocks_per_sm(self) -> int:
-        """Blocks a multiprocessor should hold: 16 warps up to head size 128 with one M
-        tile (registers capped at 128 a thread to fit them: no spills there, per
+        """Blocks a multiprocessor should hold: 16 warps up to head size 128 with one
+        quad (registers capped at 128 a thread to fit them: no spills there, per
         `kvcupy check --all`), 8 for more accumulators; fewer where shared memory is short."""
         by_shared = max(1, SHARED_BYTES_PER_SM // self.shared_bytes)
-        by_warps = max(1, (16 if self.m_tiles == 1 and self.head_pad <= 128 else 8) // self.heads)
+        by_warps = max(1, (16 if self.quads == 1 and self.head_pad <= 128 else 8) // self.heads)
         return min(by_shared, by_warps)
 
     @property
     def defines(self) -> dict:
         return {"KVC_ATTN_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_HEADS": self.heads,
-                "KVC_M_TILES": self.m_tiles, "KVC_TILE": self.tile, "KVC_STAGES": STAGES,
+                "KVC_QUADS": self.quads, "KVC_TILE": self.tile, "KVC_STAGES": STAGES,
                 "KVC_CHUNK": self.chunk, "KVC_MIN_BLOCKS": self.blocks_per_sm,
                 "KVC_BULK": int(self.bulk)}
 
@@ -133,7 +133,7 @@ def _bulk_copies_fit(cache, kv: int, heads: int, stored_row: int, head_pad: int,
 
 def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int) -> Kernel:
     head_pad = -(-cache.head_size // HEAD_CLASS) * HEAD_CLASS
-    m_tiles = 2 if rows_per_sequence > 8 and head_pad <= MAX_HEAD_PAD_TWO_TILES else 1
+    quads = 1 if rows_per_sequence <= 4 else 2 if rows_per_sequence <= 8 or head_pad > MAX_HEAD_PAD_FOUR_QUADS else 4
     stored_row = cache.head_size * (4 if kv == KV_INT4 else 8 if kv in (KV_INT8, KV_FP8) else 16) // 8
     num_kv_heads = cache.num_kv_heads
     best = None
@@ -142,7 +142,7 @@ def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int) -> K
             continue
         for tile in (32, 16):
             bulk = _bulk_copies_fit(cache, kv, heads, stored_row, head_pad, capability)
-            kernel = Kernel(kv, head_pad, heads, m_tiles, tile, _copy_granule(cache, stored_row), bulk)
+            kernel = Kernel(kv, head_pad, heads, quads, tile, _copy_granule(cache, stored_row), bulk)
             if kernel.shared_bytes <= STAGES * STAGE_BYTES_TARGET + 16 * STAGES:
                 return kernel
             best = kernel
@@ -198,7 +198,7 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
     query_lens = None if offsets is None else np.diff(offsets)
     max_rows = group * (int(query_lens.max(initial=1)) if query_lens is not None else num_query_tokens)
     kernel = _choose_kernel(cache, kv, max_rows, _compute_capability(device))
-    rows_per_tile = 8 * kernel.m_tiles
+    rows_per_tile = 4 * kernel.quads
     if query_lens is not None:
         row_tiles = -(-query_lens * group // rows_per_tile)
         seqs = np.repeat(np.arange(batch.num_seqs), row_tiles)
@@ -337,15 +337,15 @@ def specialisations(all: bool) -> list:
         for kv in (KV_INT4, KV_INT8, KV_FP8, KV_F16, KV_BF16):
             for head_pad in range(HEAD_CLASS, 257, HEAD_CLASS):
                 for heads in (8, 4):
-                    for m_tiles in (1, 2) if head_pad <= MAX_HEAD_PAD_TWO_TILES else (1,):
+                    for quads in (1, 2, 4) if head_pad <= MAX_HEAD_PAD_FOUR_QUADS else (1, 2):
                         tile = 32 if kv == KV_INT4 else 16
                         # Both stagings of quantized caches: bulk copies on sm_90 where the pages allow them.
                         stagings = (False, True) if kv in (KV_INT4, KV_INT8, KV_FP8) else (False,)
-                        kernels += [Kernel(kv, head_pad, heads, m_tiles, tile, 16, bulk) for bulk in stagings]
+                        kernels += [Kernel(kv, head_pad, heads, quads, tile, 16, bulk) for bulk in stagings]
     else:
-        kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, True), Kernel(KV_INT4, 96, 8, 2, 32, 4),
-                   Kernel(KV_INT4, 64, 2, 1, 32, 1), Kernel(KV_INT8, 256, 8, 1, 16, 16),
-                   Kernel(KV_FP8, 128, 4, 2, 16, 16, True), Kernel(KV_F16, 128, 4, 1, 16, 16),
-                   Kernel(KV_BF16, 96, 4, 1, 16, 8)]
+        kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, True), Kernel(KV_INT4, 96, 8, 4, 32, 4),
+                   Kernel(KV_INT4, 64, 2, 2, 32, 1), Kernel(KV_INT8, 256, 8, 2, 16, 16),
+                   Kernel(KV_FP8, 128, 4, 4, 16, 16, True), Kernel(KV_F16, 128, 4, 1, 16, 16),
+                   Kernel(KV_BF16, 96, 4, 2, 16, 8), Kernel(KV_BF16, 64, 4, 1, 16, 16)]
     found += [Specialisation("attention", ("paged_attention",), kernel.defines) for kernel in kernels]
     return found
