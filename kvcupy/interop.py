@@ -270,6 +270,8 @@ def as_array(x, name: str) -> Array:
         x, tagged = _torch_raw(x)
         exporting = torch.cuda.device(device.index)   # torch exports only from the current device
     stream = backend.dlpack_stream(device)
+    if framework == "jax" and stream_source(x).stream() is None:
+        stream = None   # a JAX build without external streams: it hands over ready data
     with exporting:
         raw, logical = _relabel_raw(x, name, stream)
     data = backend.import_dlpack(raw)
