@@ -13,8 +13,9 @@ the whole cache (O(cache size)). With `donate=True`, XLA updates the given
 cache's buffers in place, writing only the new rows (O(tokens)), and the
 given cache's arrays are deleted. XLA can reuse a buffer only when nothing
 else holds it: kvcupy drops its own views of the given cache first, but a
-view the caller keeps (np.asarray of a tensor, a DLPack consumer) makes JAX
-copy after all, silently.
+view the caller keeps (np.asarray of a tensor, a DLPack consumer) makes it
+copy after all (JAX's CPU client does so itself; where its GPU client refuses
+the donation, updated_cache runs the copying form).
 """
 
 from __future__ import annotations
@@ -64,7 +65,14 @@ def updated_cache(key, value, cache: KVCache, slot_mapping, *, donate: bool = Fa
         # kvcupy's views of the buffers would keep XLA from reusing them.
         object.__setattr__(cache, "_arrays", None)
         del arrays
-    updated = _scatter(bool(donate))(tensors, rows, slot_ids)
+    try:
+        updated = _scatter(bool(donate))(tensors, rows, slot_ids)
+    except RuntimeError as error:
+        # XLA's GPU client refuses (where its CPU client copies) to donate a buffer
+        # that something else still views through DLPack; the buffers are untouched.
+        if not donate or "external reference" not in str(error):
+            raise
+        updated = _scatter(False)(tensors, rows, slot_ids)
     scales = updated[2:] if len(updated) == 4 else (None, None)
     return KVCache(updated[0], updated[1], *scales, cache.kv_dtype, cache.rotation, cache.head_size)
 

@@ -390,3 +390,22 @@ def test_copy_on_write_runs_on_the_stream_of_the_managers_last_call(fake, monkey
     mgr.reserve([first, second], 1)
     assert fake.calls == ["copy_blocks"]
     assert entered[0] == (interop.Device("cuda", 0), interop.StreamSource("caller", id(kv)))
+
+
+def test_a_refused_donation_falls_back_to_the_copy(monkeypatch):
+    """Where XLA refuses to donate a buffer something else views (its GPU client),
+    updated_cache writes through the copying form instead of failing."""
+    pytest.importorskip("jax")
+    from kvcupy import functional
+    host, cache = jax_cache("int8_per_token_head")
+    kv = np.random.default_rng(6).standard_normal((3, 2, 64)).astype(np.float32)
+    kc.reshape_and_cache(kv, kv, host, np.arange(3))
+    copying = functional._scatter(False)
+
+    def refusing(*args):
+        raise RuntimeError("INVALID_ARGUMENT: Donation requested for buffer with external reference")
+    monkeypatch.setattr(functional, "_scatter", lambda donate: refusing if donate else copying)
+    updated = kc.updated_cache(kv, kv, cache, np.arange(3), donate=True)
+    for new, expected in zip(updated.tensors(), host.tensors()):
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(expected))
+    assert not cache.key_cache.is_deleted()
