@@ -361,17 +361,28 @@ def stream_source(x) -> StreamSource:
     return CUPY_STREAM
 
 
+_jax_streams: dict = {}
+
+
 def jax_ready_stream(device) -> int | None:
-    """The stream a JAX GPU device takes external data on (what jax.dlpack.from_dlpack
-    passes to producers, and where JAX waits for them); None where the JAX build does
-    not implement it (then kvcupy uses CuPy's current stream and synchronises it
-    before handing a result to JAX: see `like`)."""
-    try:
-        return int(device.get_stream_for_external_ready_events())
-    except RuntimeError as error:   # jax.errors.JaxRuntimeError (XlaRuntimeError before it)
-        if "UNIMPLEMENTED" in str(error):
-            return None
-        raise
+    """The stream kvcupy runs JAX arrays' calls on: one a JAX GPU device takes external
+    data on (what jax.dlpack.from_dlpack passes to producers, and where JAX waits for
+    them), asked once per device and kept. JAX hands out several such streams in turn
+    (seen on the H200: a call's write and its attention got different ones), and
+    kvcupy's own calls must stay ordered among themselves: a write, then the attention
+    that reads it. Exchanges with JAX stay ordered whichever stream JAX names, through
+    DLPack's stream argument. None where the JAX build does not implement it (then
+    kvcupy uses CuPy's current stream and synchronises it before handing a result to
+    JAX: see `like`)."""
+    key = (device.platform, device.id)
+    if key not in _jax_streams:
+        try:
+            _jax_streams[key] = int(device.get_stream_for_external_ready_events())
+        except RuntimeError as error:   # jax.errors.JaxRuntimeError (XlaRuntimeError before it)
+            if "UNIMPLEMENTED" not in str(error):
+                raise
+            _jax_streams[key] = None
+    return _jax_streams[key]
 
 
 class _StreamHandle:
