@@ -82,9 +82,9 @@ def handed_back(monkeypatch):
 
     def spy(result, reference, _like=interop.like):
         converted = _like(result, reference)
-        buffer = result.data.data
-        # Device results only: a host result's buffer is a memoryview (no address there).
-        seen.append((buffer.ptr if hasattr(buffer, "ptr") else None, converted))
+        # Device results only have an address (NumPy cannot even view a bfloat16 buffer).
+        interface = getattr(result.data, "__cuda_array_interface__", None)
+        seen.append((interface["data"][0] if interface else None, converted))
         return converted
     monkeypatch.setattr(interop, "like", spy)
     return seen
