@@ -187,3 +187,23 @@ def agreement(reference: Generation, forced: Generation, free: Generation) -> Ag
         worst_step_error=float(step_errors.max()),
         top1_agreement=float(np.mean(np.argmax(got, axis=1) == np.argmax(ref, axis=1))),
         token_agreement=float(np.mean(np.concatenate(free.tokens) == np.concatenate(reference.tokens))))
+
+
+def compare(config: Config, model, reference_attention, kv_dtype: str, device: str, steps: int,
+            fork: tuple[int, int]) -> tuple[Generation, Generation, Generation]:
+    """(reference, kvcupy forced to the reference's tokens, kvcupy free): one model
+    generating over its framework's attention and over kvcupy's paged cache."""
+    prompt_tokens = prompts(config)
+    reference = generate(model, reference_attention, prompt_tokens, steps, fork)
+    forced = generate(model, PagedAttention(config, kv_dtype, device=device), prompt_tokens, steps, fork,
+                      forced=reference)
+    free = generate(model, PagedAttention(config, kv_dtype, device=device), prompt_tokens, steps, fork)
+    return reference, forced, free
+
+
+def main(run, name: str, argv: list[str]) -> None:
+    """`python examples/<name>_decoder.py [device] [kv_dtype]`: print the agreement."""
+    device = argv[1] if len(argv) > 1 else "cpu"
+    kv_dtype = argv[2] if len(argv) > 2 else "auto"
+    reference, forced, free = run(kv_dtype, device)
+    print(f"{name} decoder, {kv_dtype} cache on {device}: {agreement(reference, forced, free)}")

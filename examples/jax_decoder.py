@@ -158,19 +158,8 @@ def run(kv_dtype: str, device: str = "cpu", steps: int = 8, fork=(1, 3)):
     """(reference, kvcupy forced to the reference's tokens, kvcupy free) Generations."""
     config = decoding.Config()
     model = JaxDecoder(config, decoding.random_weights(config), device)
-    prompt_tokens = decoding.prompts(config)
-    reference = decoding.generate(model, JaxAttention(config, model.device), prompt_tokens, steps, fork)
-
-    def paged():
-        return decoding.PagedAttention(config, kv_dtype, device=device)
-
-    forced = decoding.generate(model, paged(), prompt_tokens, steps, fork, forced=reference)
-    free = decoding.generate(model, paged(), prompt_tokens, steps, fork)
-    return reference, forced, free
+    return decoding.compare(config, model, JaxAttention(config, model.device), kv_dtype, device, steps, fork)
 
 
 if __name__ == "__main__":
-    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    kv_dtype = sys.argv[2] if len(sys.argv) > 2 else "auto"
-    reference, forced, free = run(kv_dtype, device)
-    print(f"JAX decoder, {kv_dtype} cache on {device}: {decoding.agreement(reference, forced, free)}")
+    decoding.main(run, "JAX", sys.argv)
