@@ -874,7 +874,8 @@ struct Attention {
           if (KVC_BULK && base + column >= key_hi) value_scale[i] = 0.f;
         }
         float tile_reference = reference;
-        if constexpr (kQuantized) tile_reference = fmaxf(reference, max_over_columns(fmaxf(value_scale[0], value_scale[1])));
+        if constexpr (kQuantized)
+          tile_reference = fmaxf(reference, max_over_columns(fmaxf(value_scale[0], value_scale[1])));
         // Approximate division suffices: these only choose the units of the
         // accumulators, and `unchanged` compares the references themselves.
         bool unchanged = tile_reference == reference;
@@ -937,7 +938,8 @@ struct Attention {
   #pragma unroll
           for (int np = 0; np < NP; ++np) {
             const float f0 = alpha[2 * np] * rescale_values;
-            const float f1 = (kLowSlot && np == NP - 1 ? alpha[2 * np] : alpha[min(2 * np + 1, QUADS - 1)]) * rescale_values;
+            const int second = kLowSlot && np == NP - 1 ? 2 * np : min(2 * np + 1, QUADS - 1);
+            const float f1 = alpha[second] * rescale_values;
   #pragma unroll
             for (int md = 0; md < MD; ++md) {
               out[md][np][0] *= f0;
@@ -976,8 +978,8 @@ struct Attention {
           for (int vector = 0; vector < T::kValueUnits / T::kValueVector; ++vector) {
   #pragma unroll
             for (int c = 0; c < 4; ++c)
-              load_lane_vector<kValueVecBytes, 8>(values + (step * 16 + 2 * t + (c & 1) + 8 * (c >> 1)) * T::kValueStride,
-                                                  g, vector, words[c]);
+              load_lane_vector<kValueVecBytes, 8>(
+                  values + (step * 16 + 2 * t + (c & 1) + 8 * (c >> 1)) * T::kValueStride, g, vector, words[c]);
   #pragma unroll
             for (int md = 0; md < MD; ++md) {
               if (value_unit_of(md) / T::kValueVector != vector) continue;
