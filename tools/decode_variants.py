@@ -1,0 +1,143 @@
+"""A/B timings of the decode attention kernel under variants, in one process.
+
+    PYTHONPATH=. python3 tools/decode_variants.py VARIANTS [SHAPE]
+
+VARIANTS is a JSON list; each variant has a "name" and any of:
+  "dtypes":  KV dtypes to time (default ["int4_per_token_head"])
+  "src":     a folder of kernel sources to compile instead of kernels_cu/
+             (KVCUPY_KERNEL_DIR), e.g. an older version's, for a side-by-side
+  "defines": extra -D defines (e.g. {"KVC_STAGING_ONLY": 1}: copies, no math)
+  "tile", "stages", "splits", "bulk": planner choices forced to these values
+SHAPE is a JSON object overriding the default decode shape: batch 32, context
+32768, d 128, 8 KV / 32 query heads, block size 16 (pages in random order,
+random codes and scales, no rotation).
+
+Each (variant, dtype) is timed as the whole paged_attention call (query scale,
+attention, merge), 10 calls between two CUDA events after 3 warm-up calls, the
+median of 15 such pairs; TB/s counts the packed K/V and scale bytes. Prints one
+line a case and writes variants.json to $OUT (or the current folder). The
+bench (`kvcupy bench --backend cuda`) is the reference for absolute numbers;
+this is for comparing kernel versions and planner choices on one GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from dataclasses import replace
+
+import cupy
+import numpy as np
+
+import kvcupy as kc
+from kvcupy import jit
+from kvcupy.backends import cuda_attention
+
+DEFAULT_SHAPE = dict(batch=32, context=32768, head_size=128, kv_heads=8, query_heads=32, block_size=16)
+
+
+@contextlib.contextmanager
+def overrides(variant: dict):
+    """The planner's choices and the kernel's defines forced as the variant says, restored after."""
+    saved = (cuda_attention.Kernel.defines, cuda_attention._choose_kernel, cuda_attention.choose_splits,
+             cuda_attention.STAGES, os.environ.get(jit.SOURCE_DIR_ENV))
+    plain_defines, plain_choose, plain_splits = saved[0].fget, saved[1], saved[2]
+    stages = variant.get("stages", cuda_attention.STAGES)
+
+    def defines(kernel):
+        return {**plain_defines(kernel), **variant.get("defines", {}), "KVC_STAGES": stages}
+
+    def choose(cache, kv, rows, capability):
+        kernel = plain_choose(cache, kv, rows, capability)
+        forced = {key: variant[key] for key in ("tile", "bulk") if key in variant}
+        return replace(kernel, **forced)
+
+    def splits(base_blocks, slots, most):
+        return variant.get("splits") or plain_splits(base_blocks, slots, most)
+
+    cuda_attention.Kernel.defines = property(defines)
+    cuda_attention._choose_kernel = choose
+    cuda_attention.choose_splits = splits
+    cuda_attention.STAGES = stages
+    if variant.get("src"):
+        os.environ[jit.SOURCE_DIR_ENV] = os.path.abspath(variant["src"])
+    else:
+        os.environ.pop(jit.SOURCE_DIR_ENV, None)
+    try:
+        yield
+    finally:
+        (cuda_attention.Kernel.defines, cuda_attention._choose_kernel, cuda_attention.choose_splits,
+         cuda_attention.STAGES) = saved[:4]
+        if saved[4] is None:
+            os.environ.pop(jit.SOURCE_DIR_ENV, None)
+        else:
+            os.environ[jit.SOURCE_DIR_ENV] = saved[4]
+
+
+def decode_case(kv_dtype: str, shape: dict, rng) -> dict:
+    """A cache of random codes and scales in shuffled pages, its block table and a query."""
+    pages = shape["batch"] * shape["context"] // shape["block_size"]
+    info = kc.formats.kv_dtype_info(kv_dtype)
+    rows = (pages, shape["block_size"], shape["kv_heads"], info.stored_head_size(shape["head_size"]))
+    key, value = (cupy.asarray(rng.integers(0, 256, rows, dtype=np.uint8)).view(info.storage) for _ in range(2))
+    scales = cupy.asarray((rng.random(rows[:3]) * 0.1 + 0.01).astype(np.float32))
+    cache = kc.wrap_cache(key, value, scales, scales.copy(), kv_dtype=kv_dtype,
+                          rotation=kc.rotation_plan(shape["head_size"], "none"))
+    table = rng.permutation(pages).astype(np.int32).reshape(shape["batch"], -1)
+    query = cupy.asarray(rng.standard_normal((shape["batch"], shape["query_heads"], shape["head_size"]))
+                         .astype(np.float16))
+    return dict(cache=cache, table=table, query=query, pages=pages,
+                bytes=key.nbytes + value.nbytes + 2 * scales.nbytes)
+
+
+def time_case(case: dict, shape: dict) -> tuple[float, object]:
+    """Median milliseconds of one call, and the attention plan it ran."""
+    batch = kc.plan_batch(block_table=case["table"], seq_lens=np.full(shape["batch"], shape["context"], np.int32),
+                          block_size=shape["block_size"], num_blocks=case["pages"])
+    out = cupy.empty_like(case["query"])
+
+    def call():
+        kc.paged_attention(case["query"], case["cache"], batch=batch, out=out)
+
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(15):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(10):
+            call()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 10)
+    (plan,) = batch._backend_plans.values()
+    return float(np.median(times)), plan
+
+
+def main() -> None:
+    variants = json.loads(sys.argv[1])
+    shape = {**DEFAULT_SHAPE, **(json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})}
+    rng = np.random.default_rng(0)
+    cases, results = {}, []
+    for variant in variants:
+        for kv_dtype in variant.get("dtypes", ["int4_per_token_head"]):
+            if kv_dtype not in cases:
+                cases[kv_dtype] = decode_case(kv_dtype, shape, rng)
+            record = dict(variant=variant["name"], dtype=kv_dtype)
+            try:
+                with overrides(variant):
+                    ms, plan = time_case(cases[kv_dtype], shape)
+                record.update(ms=ms, tb_per_s=cases[kv_dtype]["bytes"] / ms / 1e9, kernel=str(plan.kernel),
+                              splits=plan.num_splits)
+            except Exception as error:   # a variant that does not compile or launch is reported, not fatal
+                record.update(error=repr(error)[:400])
+            print(record, flush=True)
+            results.append(record)
+    with open(os.path.join(os.environ.get("OUT", "."), "variants.json"), "w") as handle:
+        json.dump(results, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
