@@ -1,22 +1,28 @@
 // Entry points of the attention family: specialised by -D constants (see
 // kvcupy/backends/cuda_attention.py, which chooses them):
-//   KVC_ATTN_KV (attention.cuh's KV_* codes), KVC_HEAD_PAD, KVC_HEADS (warps = KV heads
-//   per block), KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK; KVC_OUT_T, KVC_IN_T.
+//   paged_attention: KVC_ATTN_KV (attention.cuh's KV_* codes), KVC_HEAD_PAD, KVC_HEADS
+//     (warps = KV heads per block), KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK;
+//   prefill_attention: KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, KVC_CHUNK;
+//   merge_splits: KVC_OUT_T; scale_query: KVC_IN_T.
 #include "attention.cuh"
+#include "prefill.cuh"
 
 using namespace kvc_attn;
 
-#ifdef KVC_ATTN_KV
-typedef Attention<KVC_ATTN_KV, KVC_HEAD_PAD, KVC_HEADS, KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK> Kernel;
+// The arguments every attention entry takes, in launch order.
+#define KVC_ATTENTION_ARGS                                                                                  \
+  const float *query, const u8 *key_cache, const u8 *value_cache, const u8 *k_scales, const u8 *v_scales,  \
+      const long long *strides, const int *block_table, const int *seq_lens, const int *cu_seqlens_q,       \
+      const int *tiles, float *part_out, float *part_stats, int num_tokens, int num_heads, int group,       \
+      int head_size, int row_bytes, int block_size, int block_shift, int num_blocks, int table_width,        \
+      int split_tokens, int window, float softcap, float code_unit
 
-extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS, KVC_MIN_BLOCKS)
-paged_attention(const float* query, const u8* key_cache, const u8* value_cache, const u8* k_scales,
-                const u8* v_scales, const long long* strides, const int* block_table, const int* seq_lens,
-                const int* cu_seqlens_q, const int* tiles, float* part_out, float* part_stats, int num_tokens,
-                int num_heads, int group, int head_size, int row_bytes, int block_size, int block_shift,
-                int num_blocks, int table_width, int split_tokens, int window, float softcap, float code_unit) {
-  // The twelve byte strides (block, slot, head of K, V, K scales, V scales) come
-  // as one small device array, uploaded once per cache.
+namespace {
+
+// The twelve byte strides (block, slot, head of K, V, K scales, V scales) come
+// as one small device array, uploaded once per cache; every thread reads them
+// from shared memory.
+__device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
   __shared__ long long shared_strides[12];
   if (threadIdx.x < 12) shared_strides[threadIdx.x] = strides[threadIdx.x];
   __syncthreads();
@@ -56,7 +62,31 @@ paged_attention(const float* query, const u8* key_cache, const u8* value_cache, 
   p.window = window;
   p.softcap = softcap;
   p.code_unit = code_unit;
-  Kernel::run(p, block_shift);
+  return p;
+}
+
+#define KVC_ATTENTION_PARAMS                                                                                  \
+  make_params(query, key_cache, value_cache, k_scales, v_scales, strides, block_table, seq_lens, cu_seqlens_q, \
+              tiles, part_out, part_stats, num_tokens, num_heads, group, head_size, row_bytes, block_size,     \
+              block_shift, num_blocks, table_width, split_tokens, window, softcap, code_unit)
+
+}  // namespace
+
+#ifdef KVC_ATTN_KV
+// Decode and short query runs: one warp a KV head.
+typedef Attention<KVC_ATTN_KV, KVC_HEAD_PAD, KVC_HEADS, KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK> Kernel;
+
+extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS, KVC_MIN_BLOCKS) paged_attention(KVC_ATTENTION_ARGS) {
+  Kernel::run(KVC_ATTENTION_PARAMS, block_shift);
+}
+#endif
+
+#ifdef KVC_PREFILL_KV
+// Prefill: KVC_WARPS warps of 16 query rows a block, one KV head (prefill.cuh).
+typedef Prefill<KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, KVC_CHUNK> PrefillKernel;
+
+extern "C" __global__ void __launch_bounds__(32 * KVC_WARPS, KVC_MIN_BLOCKS) prefill_attention(KVC_ATTENTION_ARGS) {
+  PrefillKernel::run(KVC_ATTENTION_PARAMS, block_shift);
 }
 #endif
 

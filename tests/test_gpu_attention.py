@@ -34,6 +34,8 @@ if not backends.status("cuda").usable:
 
 import cupy  # noqa: E402  (only where the backend is usable)
 
+from kvcupy.backends.cuda_attention import PrefillKernel  # noqa: E402
+
 ATTENTION_BOUND = 2e-3
 OUTPUT_ROUNDING = {np.dtype(np.float32): 0.0, np.dtype(np.float16): 2.0 ** -12,
                    np.dtype(kc.formats.MODEL_DTYPES["bfloat16"]): 2.0 ** -9}
@@ -183,6 +185,41 @@ def test_every_query_length(mode, seq_lens, query_lens, kv_dtype):
     check(f"{mode} {kv_dtype}", out, expected, np.float32)
 
 
+PREFILL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160)
+
+
+@pytest.mark.parametrize("head_size", PREFILL_HEAD_SIZES)
+@pytest.mark.parametrize("kv_dtype,model_dtype", [(kv, np.float16) for kv in KV_DTYPES] + [("auto", "bfloat16")])
+def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size):
+    """The prefill kernel (prefill.cuh; head sizes above its class fall back to the
+    decode kernel's row tiles): a prompt, a chunk over a longer context, a short
+    prompt and a decode row in one batch, so partial row and key tiles, diagonal
+    tiles and skipped ones all occur."""
+    model_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if model_dtype == "bfloat16" else np.dtype(model_dtype)
+    rng = np.random.default_rng(head_size)
+    seq_lens, query_lens = [300, 1000, 77, 5], [300, 130, 77, 1]
+    batch = paged_batch(rng, seq_lens, query_lens, 16)
+    cache = host_cache(rng, batch, kv_dtype, head_size, 2, 16, model_dtype, "default")
+    query = (rng.standard_normal((batch.num_queries, 8, head_size)) * 2).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    expected = reference.paged_attention(query, cache, **args)
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    out = from_device(kc.paged_attention(cupy.asarray(query), device_view(cache), batch=planned), np.float32)
+    (plan,) = planned._backend_plans.values()
+    assert isinstance(plan.kernel, PrefillKernel) == (head_size <= 128), plan.kernel
+    check(f"prefill {kv_dtype}/{model_dtype} d={head_size}", out, expected, np.float32)
+
+
+@pytest.mark.parametrize("block_size", (8, 32, 128))
+@pytest.mark.parametrize("group", (1, 8))
+@pytest.mark.parametrize("query_dtype", (np.float16, "bfloat16"))
+def test_prefill_block_sizes_gqa_and_query_dtypes(block_size, group, query_dtype):
+    query_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if query_dtype == "bfloat16" else np.dtype(query_dtype)
+    out, expected = run_case(block_size=block_size, group=group, seq_lens=(129, 517), query_lens=(129, 200),
+                             query_dtype=query_dtype, seed=block_size + group)
+    check(f"prefill B={block_size} group={group} q={query_dtype}", out, expected, query_dtype)
+
+
 @pytest.mark.parametrize("options", [dict(sliding_window=100), dict(softcap=5.0), dict(sinks=True),
                                      dict(sliding_window=33, softcap=2.0, sinks=True)],
                          ids=["window", "softcap", "sinks", "all"])
@@ -214,38 +251,44 @@ def test_context_131072():
     check("context 131072", out, expected, np.float32)
 
 
+@pytest.mark.parametrize("query_lens", [(1, 1), (50, 30)], ids=["decode", "prefill"])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_a_nan_key_gives_nan_exactly_where_it_is_seen(kv_dtype):
+def test_a_nan_key_gives_nan_exactly_where_it_is_seen(kv_dtype, query_lens):
     rng = np.random.default_rng(5)
-    batch = paged_batch(rng, [50, 30], [1, 1], 16)
+    batch = paged_batch(rng, [50, 30], list(query_lens), 16)
     cache = host_cache(rng, batch, kv_dtype, 64, 2, 16, np.float16, "default")
     bad = np.full((1, 2, 64), np.nan, np.float16)
     bad[0, 1] = 1.0   # only KV head 0 is broken
     kc.reshape_and_cache(bad, bad, cache, batch.slot_mapping[:1])   # token 0 of sequence 0
-    query = rng.standard_normal((2, 8, 64)).astype(np.float32)
+    query = rng.standard_normal((batch.num_queries, 8, 64)).astype(np.float32)
     args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
     out = from_device(kc.paged_attention(cupy.asarray(query), device_view(cache), **args), np.float32)
     finite = np.isfinite(out).all(axis=-1)
-    # Sequence 0, query heads 0-3 read KV head 0: NaN. Everything else finite.
-    assert not finite[0, :4].any() and finite[0, 4:].all() and finite[1].all(), finite
+    # Sequence 0 (every one of its query tokens sees token 0), query heads 0-3 read
+    # KV head 0: NaN. Everything else finite.
+    first = query_lens[0]
+    assert not finite[:first, :4].any() and finite[:first, 4:].all() and finite[first:].all(), finite
 
 
-def test_out_of_range_ids_never_fault():
+@pytest.mark.parametrize("query_lens", [(1, 1), (40, 20)], ids=["decode", "prefill"])
+def test_out_of_range_ids_never_fault(query_lens):
     """Device metadata is not read back: bad block ids and lengths give garbage
     rows, never an access outside the cache (compute-sanitizer checks the reads)."""
     rng = np.random.default_rng(9)
-    batch = paged_batch(rng, [40, 20], [1, 1], 16)
+    batch = paged_batch(rng, [40, 20], list(query_lens), 16)
     cache = device_view(host_cache(rng, batch, "int4_per_token_head", 64, 2, 16, np.float16, "default"))
     table = batch.block_table.copy()
     table[0, 0], table[1, 0] = 10 ** 6, -5
-    query = cupy.asarray(rng.standard_normal((2, 8, 64)).astype(np.float32))
+    query = cupy.asarray(rng.standard_normal((batch.num_queries, 8, 64)).astype(np.float32))
     out = kc.paged_attention(query, cache, block_table=cupy.asarray(table),
-                             seq_lens=cupy.asarray(np.array([10 ** 6, 20], np.int32)))
+                             seq_lens=cupy.asarray(np.array([10 ** 6, 20], np.int32)),
+                             cu_seqlens_q=cupy.asarray(batch.cu_seqlens_q))
     cupy.cuda.Device().synchronize()
-    assert out.shape == (2, 8, 64)
+    assert out.shape == (batch.num_queries, 8, 64)
     with pytest.raises(ValueError, match="block_table"):
         kc.paged_attention(query, cache, block_table=cupy.asarray(table),
-                           seq_lens=cupy.asarray(batch.seq_lens), validate=True)
+                           seq_lens=cupy.asarray(batch.seq_lens), cu_seqlens_q=cupy.asarray(batch.cu_seqlens_q),
+                           validate=True)
 
 
 def _attention_plan(query, cache, args):

@@ -1,15 +1,17 @@
-"""One decode step of the issue's main shape, for profilers (ncu, compute-sanitizer).
+"""One attention call of a bench shape, for profilers (ncu, compute-sanitizer).
 
-    PYTHONPATH=. ncu -k regex:paged_attention -s 2 -c 1 python3 tools/decode_shape.py [kv_dtype]
+    PYTHONPATH=. ncu -k regex:paged_attention -s 2 -c 1 python3 tools/decode_shape.py [kv_dtype] [--prefill]
 
-32 sequences x 32768 tokens, 32 query / 8 KV heads, d = 128, block size 16, on
-a cache of random codes and scales in shuffled pages; three calls (profile the
-third). Prints the kernel specialisation the plan chose and its split count.
+Decode (default): 32 sequences x 32768 tokens, one query token each. --prefill:
+4 sequences x 8192 tokens attending causally to themselves (the prefill
+target's shape). 32 query / 8 KV heads, d = 128, block size 16, on a cache of
+random codes and scales in shuffled pages; three calls (profile the third).
+Prints the kernel specialisation the plan chose and its split count.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import cupy
 import numpy as np
@@ -18,8 +20,15 @@ import kvcupy as kc
 
 
 def main() -> None:
-    kv_dtype = sys.argv[1] if len(sys.argv) > 1 else "int4_per_token_head"
-    sequences, context, head_size, kv_heads, query_heads, block_size = 32, 32768, 128, 8, 32, 16
+    parser = argparse.ArgumentParser()
+    parser.add_argument("kv_dtype", nargs="?", default="int4_per_token_head")
+    parser.add_argument("--prefill", action="store_true")
+    parser.add_argument("--head-size", type=int, default=128)
+    args = parser.parse_args()
+    kv_dtype, head_size = args.kv_dtype, args.head_size
+    sequences, context = (4, 8192) if args.prefill else (32, 32768)
+    query_len = context if args.prefill else 1
+    kv_heads, query_heads, block_size = 8, 32, 16
     rng = np.random.default_rng(0)
     pages = sequences * context // block_size
     info = kc.formats.kv_dtype_info(kv_dtype)
@@ -30,8 +39,9 @@ def main() -> None:
                           rotation=kc.rotation_plan(head_size, "none"))
     table = rng.permutation(pages).astype(np.int32).reshape(sequences, context // block_size)
     batch = kc.plan_batch(block_table=table, seq_lens=np.full(sequences, context, np.int32),
+                          cu_seqlens_q=np.arange(sequences + 1, dtype=np.int32) * query_len,
                           block_size=block_size, num_blocks=pages)
-    query = cupy.asarray(rng.standard_normal((sequences, query_heads, head_size)).astype(np.float16))
+    query = cupy.asarray(rng.standard_normal((sequences * query_len, query_heads, head_size)).astype(np.float16))
     out = cupy.empty_like(query)
     for _ in range(3):
         kc.paged_attention(query, cache, batch=batch, out=out)

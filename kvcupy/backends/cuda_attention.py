@@ -40,6 +40,16 @@ MIN_TILES_PER_SPLIT = 4  # a split below this many tiles costs more in merging t
 # drains sooner (H200, int4 d128 decode: 32 x 8192 1.60 -> 1.96 TB/s, 8 x 32768
 # 1.40 -> 1.89; 32 x 32768, 4096 tokens a split, keeps 32: 2.64 vs 2.39).
 LONG_SPLIT_TOKENS = 2048
+# Prefill (prefill.cuh): batches whose longest query run has at least this many
+# (query token, head) rows per KV head take the prefill kernel, head sizes up to
+# PREFILL_MAX_HEAD_PAD (above, its register-held accumulators would spill).
+PREFILL_MIN_ROWS = 64
+PREFILL_MAX_HEAD_PAD = 128
+PREFILL_WARPS = 8           # 128 query rows a block: each tile decoded once for all of them
+PREFILL_TILE = 64
+PREFILL_STAGES = 3          # quantized caches (a decoded tile besides the raw stages)
+PREFILL_AUTO_STAGES = 2     # fp16 / bf16 rows: 2 stages keep two blocks a multiprocessor
+PREFILL_MIN_BLOCKS = 1      # 8 warps a multiprocessor: no spills (`kvcupy check --all`)
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,17 @@ class Kernel:
     tile: int           # tokens per pipeline stage
     chunk: int          # bytes per cp.async (1: plain byte loads)
     bulk: bool = False  # stage rows with sm_90's bulk copies (attention.cuh's KVC_BULK)
+
+    entry = "paged_attention"
+    kv_heads_per_block = property(lambda self: self.heads)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.heads
+
+    @property
+    def rows_per_tile(self) -> int:
+        return 4 * self.quads
 
     @property
     def blocks_per_sm(self) -> int:
@@ -88,6 +109,59 @@ class Kernel:
             key_stride = value_stride = heads_bytes
         stage = self.tile * (key_stride + value_stride) + 2 * self.tile * self.heads * 4
         return STAGES * stage + (16 * STAGES if self.bulk else 0)   # + two mbarriers a stage
+
+
+@dataclass(frozen=True)
+class PrefillKernel:
+    """One specialisation of prefill.cuh: WARPS warps of 16 query rows a block, one KV
+    head, keys TILE at a time, decoded once per block into shared memory."""
+
+    kv: int
+    head_pad: int
+    tile: int
+    chunk: int
+    warps: int = PREFILL_WARPS
+
+    entry = "prefill_attention"
+    kv_heads_per_block = 1
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv in (KV_INT4, KV_INT8, KV_FP8)
+
+    @property
+    def stages(self) -> int:
+        return PREFILL_STAGES if self.quantized else PREFILL_AUTO_STAGES
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def rows_per_tile(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def blocks_per_sm(self) -> int:
+        return max(1, min(PREFILL_MIN_BLOCKS, SHARED_BYTES_PER_SM // self.shared_bytes))
+
+    @property
+    def defines(self) -> dict:
+        return {"KVC_PREFILL_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_WARPS": self.warps,
+                "KVC_TILE": self.tile, "KVC_STAGES": self.stages, "KVC_CHUNK": self.chunk,
+                "KVC_MIN_BLOCKS": self.blocks_per_sm}
+
+    @property
+    def shared_bytes(self) -> int:
+        """prefill.cuh's Prefill::kSharedBytes (the same arithmetic)."""
+        bits = 4 if self.kv == KV_INT4 else 8 if self.quantized else 16
+        decoded_stride = 2 * self.head_pad + 16
+        raw_stride = self.head_pad * bits // 8 if self.quantized else decoded_stride
+        scales = 4 * self.tile if self.quantized else 0
+        stage = 2 * self.tile * raw_stride + 2 * scales
+        decoded = 2 * self.tile * decoded_stride + 2 * 4 * self.tile if self.quantized else 0
+        queries = self.warps * 2 * 16 * decoded_stride
+        return self.stages * stage + decoded + queries
 
 
 def kv_code(cache) -> int:
@@ -168,7 +242,7 @@ def choose_splits(base_blocks: int, slots: int, most: int) -> int:
 
 @dataclass(eq=False)
 class Plan:
-    kernel: Kernel
+    kernel: Kernel | PrefillKernel
     tiles: object             # device int32 [num_tiles, 2]: (sequence, row tile)
     num_tiles: int
     num_splits: int
@@ -184,7 +258,7 @@ class Plan:
         key = (name, tuple(sorted(defines.items())))
         if key not in self.functions:
             function = jit.get_function("attention", name, defines)
-            if name == "paged_attention":
+            if name == self.kernel.entry:
                 function.max_dynamic_shared_size_bytes = self.kernel.shared_bytes
             self.functions[key] = function
         return self.functions[key]
@@ -202,7 +276,10 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
     query_lens = None if offsets is None else np.diff(offsets)
     max_rows = group * (int(query_lens.max(initial=1)) if query_lens is not None else num_query_tokens)
     kernel = _choose_kernel(cache, kv, max_rows, _compute_capability(device))
-    rows_per_tile = 4 * kernel.quads
+    if max_rows >= PREFILL_MIN_ROWS and kernel.head_pad <= PREFILL_MAX_HEAD_PAD:
+        stored_row = cache.head_size * (4 if kv == KV_INT4 else 8 if kv in (KV_INT8, KV_FP8) else 16) // 8
+        kernel = PrefillKernel(kv, kernel.head_pad, PREFILL_TILE, _copy_granule(cache, stored_row))
+    rows_per_tile = kernel.rows_per_tile
     if query_lens is not None:
         row_tiles = -(-query_lens * group // rows_per_tile)
         seqs = np.repeat(np.arange(batch.num_seqs), row_tiles)
@@ -211,8 +288,14 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
         per_seq = max(1, -(-num_query_tokens * group // rows_per_tile))
         seqs = np.repeat(np.arange(batch.num_seqs), per_seq)
         within = np.tile(np.arange(per_seq), batch.num_seqs)
+    if isinstance(kernel, PrefillKernel) and host is not None and query_lens is not None:
+        # The blocks that see the most keys first, so that the last wave is short ones.
+        keys_seen = (host["seq_lens"][seqs] - query_lens[seqs]
+                     + np.minimum((within + 1) * rows_per_tile, query_lens[seqs] * group) // group)
+        order = np.argsort(-keys_seen, kind="stable")
+        seqs, within = seqs[order], within[order]
     tiles = np.stack([seqs, within], axis=1).astype(np.int32).reshape(-1, 2)
-    head_groups = cache.num_kv_heads // kernel.heads
+    head_groups = cache.num_kv_heads // kernel.kv_heads_per_block
 
     with cupy.cuda.Device(device.index):
         sms = cupy.cuda.Device(device.index).attributes["MultiProcessorCount"]
@@ -225,7 +308,7 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
         return -(-longest // split_tokens), split_tokens
 
     splits, split_tokens = split_keys(kernel)
-    if kernel.tile > 16 and split_tokens < LONG_SPLIT_TOKENS:
+    if isinstance(kernel, Kernel) and kernel.tile > 16 and split_tokens < LONG_SPLIT_TOKENS:
         kernel = replace(kernel, tile=16)
         splits, split_tokens = split_keys(kernel)
     return Plan(kernel, _upload(tiles, device), len(tiles), splits, split_tokens, head_groups)
@@ -297,12 +380,12 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             scale((min(1024, -(-n // 256)),), (256,), (query.data, work["query"], np.int64(n),
                                                       np.float32(softmax_scale)))
         # 2. Partial softmax states of every split.
-        attention = plan.function("paged_attention", kernel.defines)
+        attention = plan.function(kernel.entry, kernel.defines)
         has_scales = cache.k_scale_cache is not None
         code_unit = 256.0 if kernel.kv == KV_FP8 else 1.0
         table = arrays["block_table"]
         attention(
-            (plan.num_splits, plan.num_tiles, plan.head_groups), (32 * kernel.heads,),
+            (plan.num_splits, plan.num_tiles, plan.head_groups), (kernel.threads,),
             (work["query"], cache.key_cache, cache.value_cache,
              cache.k_scale_cache if has_scales else cache.key_cache,
              cache.v_scale_cache if has_scales else cache.value_cache,
@@ -335,8 +418,9 @@ def specialisations(all: bool) -> list:
     """(entry, kernels, defines) of attention.cu. all=True: every KV dtype x head-size
     class x query rows per warp, at 8 and 4 warps a block and 16-byte copies (the
     aligned caches the library allocates), plus the merge and query kernels for
-    every dtype; else a sample that takes each code path once, the 4-byte and
-    byte-wise copies of strided and odd-length rows among them."""
+    every dtype, and the prefill kernel for every KV dtype and head-size class up to
+    PREFILL_MAX_HEAD_PAD; else a sample that takes each code path once, the 4-byte
+    and byte-wise copies of strided and odd-length rows among them."""
     from .cuda_specs import Specialisation
     models = list(formats.MODEL_DTYPES.values())
     found = [Specialisation("attention", ("merge_splits",), {"KVC_OUT_T": formats.CPP_TYPES[d]})
@@ -353,10 +437,15 @@ def specialisations(all: bool) -> list:
                         # Both stagings of quantized caches: bulk copies on sm_90 where the pages allow them.
                         stagings = (False, True) if kv in (KV_INT4, KV_INT8, KV_FP8) else (False,)
                         kernels += [Kernel(kv, head_pad, heads, quads, tile, 16, bulk) for bulk in stagings]
+                if head_pad <= PREFILL_MAX_HEAD_PAD:
+                    kernels.append(PrefillKernel(kv, head_pad, PREFILL_TILE, 16))
     else:
         kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, True), Kernel(KV_INT4, 96, 8, 4, 32, 4),
                    Kernel(KV_INT4, 64, 2, 2, 32, 1), Kernel(KV_INT8, 256, 8, 2, 16, 16),
                    Kernel(KV_FP8, 128, 4, 4, 16, 16, True), Kernel(KV_F16, 128, 4, 1, 16, 16),
-                   Kernel(KV_BF16, 96, 4, 2, 16, 8), Kernel(KV_BF16, 64, 4, 1, 16, 16)]
-    found += [Specialisation("attention", ("paged_attention",), kernel.defines) for kernel in kernels]
+                   Kernel(KV_BF16, 96, 4, 2, 16, 8), Kernel(KV_BF16, 64, 4, 1, 16, 16),
+                   PrefillKernel(KV_INT4, 128, PREFILL_TILE, 16), PrefillKernel(KV_INT8, 96, PREFILL_TILE, 4),
+                   PrefillKernel(KV_FP8, 64, PREFILL_TILE, 16), PrefillKernel(KV_F16, 128, PREFILL_TILE, 16),
+                   PrefillKernel(KV_BF16, 32, PREFILL_TILE, 1)]
+    found += [Specialisation("attention", (kernel.entry,), kernel.defines) for kernel in kernels]
     return found

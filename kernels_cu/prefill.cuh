@@ -1,0 +1,544 @@
+// Prefill attention (many query rows a sequence) on tensor cores, in the
+// FlashAttention-2 orientation: a warp owns 16 query rows, a block WARPS x 16
+// rows of one KV head, and the block streams that head's keys TILE tokens at
+// a time through shared memory.
+//
+//   scores  S[row, token] = Q[row, :] . K[token, :]     M = rows, N = tokens
+//   output  O[row, dim]  += P[row, token] . V[token, dim]  M = rows, N = dims
+//
+// Where the decode kernel (attention.cuh) converts each cache code in the
+// registers of the one warp that uses it, here the codes a tile holds feed
+// WARPS x 16 rows: the block first decodes the tile once, cooperatively, into
+// fp16 (code - zero-point, an exact small integer; fp8: e4m3 x 2^-8, exact),
+// and every warp then takes its mma operands from those rows with ldmatrix.
+// Scales stay out of the operands, as in the decode kernel: K's on the score
+// side, V's on the probability side (P x scale / R, R the largest V scale
+// seen so far, so that the fp16 operand stays in [0, 1]). The query enters as
+// a two-term fp16 split (q = hi + lo, ~22 bits), so each score is two mmas.
+// Auto caches (fp16 / bf16 rows) skip the decoding: warps read the staged
+// rows directly (bf16: P enters as a two-term split too, bf16 keeping 8 bits).
+//
+// Rows are (query token, query head of the KV head's group) pairs, flattened
+// as in the decode kernel; partial softmax states go to the same split
+// buffers, merged by merge_splits.
+#pragma once
+
+#include "attention.cuh"
+
+namespace kvc_attn {
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* shared_row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(shared_row)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* shared_row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(shared_row)));
+}
+
+// a * b + c on fp16 pairs, one rounding (exact wherever the result is representable).
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+template <int KV, int HEAD_PAD, int WARPS, int TILE, int STAGES, int CHUNK>
+struct Prefill {
+  static_assert(HEAD_PAD % 32 == 0 && HEAD_PAD <= 128, "head size class: 32 .. 128");
+  static_assert(TILE % 16 == 0 && TILE <= 128, "tiles are whole 16-token k steps");
+  static_assert(CHUNK == 1 || CHUNK == 4 || CHUNK == 8 || CHUNK == 16, "copy granule");
+  static constexpr int kThreads = 32 * WARPS;
+  static constexpr int kRows = 16 * WARPS;          // query rows a block
+  static constexpr int KC = HEAD_PAD / 16;          // k steps of the score product
+  static constexpr int NT = TILE / 8;               // score n tiles (8 tokens)
+  static constexpr int ND = HEAD_PAD / 8;           // output n tiles (8 dims)
+  static constexpr bool kBf16 = KV == KV_BF16;
+  static constexpr bool kQuantized = KV == KV_INT4 || KV == KV_INT8 || KV == KV_FP8;
+  static constexpr float kLog2e = 1.4426950408889634f;
+  static constexpr int kDimBits = KV == KV_INT4 ? 4 : kQuantized ? 8 : 16;
+  static constexpr int kRowBytes = HEAD_PAD * kDimBits / 8;   // a staged row (one KV head)
+  // Staged rows: quantized ones are read by the decoding pass a 16-byte vector
+  // per thread, consecutive threads consecutive vectors (no padding needed);
+  // fp16 rows go straight to ldmatrix and take the padding of decoded rows.
+  // A decoded row: HEAD_PAD fp16 values + 16 bytes, so the 8 rows of an
+  // ldmatrix fall in distinct banks (the stride is 16 or 80 modulo 128).
+  static constexpr int kDecodedStride = 2 * HEAD_PAD + 16;
+  static constexpr int kRawStride = kQuantized ? kRowBytes : kDecodedStride;
+  static constexpr int kRawTensorBytes = TILE * kRawStride;
+  static constexpr int kRawScaleBytes = kQuantized ? TILE * 4 : 0;
+  static constexpr int kStageBytes = 2 * kRawTensorBytes + 2 * kRawScaleBytes;
+  static constexpr int kDecodedTensorBytes = TILE * kDecodedStride;
+  // Decoded tile (quantized caches): K rows, V rows, then K and V scales as floats.
+  static constexpr int kDecodedBytes = kQuantized ? 2 * kDecodedTensorBytes + 2 * TILE * 4 : 0;
+  // Query rows of a warp, high or low halves: 16 rows as decoded ones.
+  static constexpr int kQueryBytes = 16 * kDecodedStride;
+  static constexpr int kSharedBytes = STAGES * kStageBytes + kDecodedBytes + WARPS * 2 * kQueryBytes;
+  // fp8 codes enter the products as e4m3 x 2^-8: the scales carry the 2^8.
+  static constexpr float kCodeUnit = KV == KV_FP8 ? 256.f : 1.f;
+
+  typedef Attention<KV, HEAD_PAD, 1, 1, 16, STAGES, CHUNK> Pages;   // the page window helpers
+
+  // The cache channel of logical dim `logical` of the products. int4 decoding
+  // turns a word's nibbles (channels 0..7) into fp16 pairs (0, 4), (1, 5),
+  // (2, 6), (3, 7), stored in that order; the other formats keep theirs.
+  static __device__ __forceinline__ int channel_of(int logical) {
+    if constexpr (KV == KV_INT4) {
+      const int p = logical & 7;
+      return (logical & ~7) + (p >> 1) + 4 * (p & 1);
+    }
+    return logical;
+  }
+
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    return kBf16 ? pack_bf162(lo, hi) : pack_half2(lo, hi);
+  }
+
+  static __device__ __forceinline__ float2 unpack(u32 x) { return kBf16 ? unpack_bf162(x) : unpack_half2(x); }
+
+  // Stage `stage` <- raw K / V rows (and scale words) of tokens base .. base + TILE - 1
+  // in [lo, hi) of KV head `head`; other tokens, and ids outside the cache, zero-filled.
+  static __device__ __forceinline__ void stage_tile(const Params& p, u8* smem, int stage, int head, int base, int lo,
+                                                    int hi, int block_shift,
+                                                    const typename Pages::PageWindow& window) {
+    u8* keys = smem + stage * kStageBytes;
+    u8* values = keys + kRawTensorBytes;
+    constexpr int kPieceBytes = CHUNK == 1 ? 4 : CHUNK;
+    constexpr int kPieces = kRowBytes / kPieceBytes;
+    constexpr int kWork = TILE * kPieces;
+#pragma unroll 1
+    for (int c0 = 0; c0 < kWork; c0 += kThreads) {
+      const int c = c0 + threadIdx.x;
+      const int token = c / kPieces, piece = c - token * kPieces;
+      const int position = base + token;
+      const int block = Pages::block_of(window, position >> block_shift);   // every lane shuffles
+      if (c >= kWork) continue;
+      const bool valid = block >= 0 && position >= lo && position < hi;
+      const long long slot = position & (p.block_size - 1);
+      const int offset = piece * kPieceBytes;
+      u8* key_dst = keys + token * kRawStride + offset;
+      u8* value_dst = values + token * kRawStride + offset;
+      const u8* key_src = p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + head * p.k_head_stride + offset;
+      const u8* value_src =
+          p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + head * p.v_head_stride + offset;
+      if constexpr (CHUNK == 1) {
+        for (int b = 0; b < 4; ++b) {
+          const bool ok = valid && offset + b < p.row_bytes;
+          key_dst[b] = ok ? key_src[b] : u8(0);
+          value_dst[b] = ok ? value_src[b] : u8(0);
+        }
+      } else {
+        const int bytes = valid && offset < p.row_bytes ? CHUNK : 0;
+        cp_async(key_dst, bytes ? key_src : p.key_cache, bytes, CHUNK);
+        cp_async(value_dst, bytes ? value_src : p.value_cache, bytes, CHUNK);
+      }
+    }
+    if constexpr (kQuantized) {
+      u8* key_scales = values + kRawTensorBytes;
+      u8* value_scales = key_scales + kRawScaleBytes;
+#pragma unroll 1
+      for (int c0 = 0; c0 < TILE; c0 += kThreads) {
+        const int token = c0 + threadIdx.x;
+        const int position = base + token;
+        const int block = Pages::block_of(window, position >> block_shift);
+        if (token >= TILE) continue;
+        const bool valid = block >= 0 && position >= lo && position < hi;
+        const long long slot = position & (p.block_size - 1);
+        const u8* key_src = p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride + head * p.ks_head_stride;
+        const u8* value_src =
+            p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride + head * p.vs_head_stride;
+        cp_async(key_scales + 4 * token, valid ? key_src : p.k_scales, valid ? 4 : 0, 4);
+        cp_async(value_scales + 4 * token, valid ? value_src : p.v_scales, valid ? 4 : 0, 4);
+      }
+    }
+  }
+
+  // Raw stage -> decoded tile: K and V rows as fp16 (code - zero-point), and
+  // the scales as floats (times the fp8 code unit). Each thread decodes a run
+  // of consecutive words of one row (a whole row with 4 warps and 64-token
+  // tiles), so that a row's zero-point and biases are worked out once per
+  // thread, not once per word.
+  static __device__ __forceinline__ void decode_tile(const u8* stage, u8* decoded) {
+    if constexpr (kQuantized) {
+      const u32* scale_words = reinterpret_cast<const u32*>(stage + 2 * kRawTensorBytes);
+      constexpr int kWordsPerRow = kRowBytes / 4;
+      constexpr int kWords = 2 * TILE * kWordsPerRow;   // K rows, then V rows: one scale word a row
+      static_assert(kWords % kThreads == 0, "whole runs");
+      constexpr int kRun = kWords / kThreads;
+      static_assert(kWordsPerRow % kRun == 0, "a run lies in one row");
+      constexpr int kVector = kRun % 4 == 0 ? 4 : kRun % 2 == 0 ? 2 : 1;
+      const int first = threadIdx.x * kRun;
+      const int row = first / kWordsPerRow, word0 = first - row * kWordsPerRow;
+      u8* const at = decoded + row * kDecodedStride;   // K then V rows: kDecodedTensorBytes = TILE rows
+      // int4: nibble c under 0x6400 is 1024 + c (low nibble) or 1024 + 16 c (high
+      // nibble, not shifted down): add -(1024 + zp), or scale by 1/16 and add
+      // -(64 + zp); both exact. fp16 bits of -(1024 + zp): 0xE400 + zp (the ulp
+      // at 1024 is 1); of -(64 + zp): 0xD400 + 16 zp (ulp 1/16).
+      const u32 zp = KV == KV_INT4 ? scale_words[row] & 0xFu : 0u;
+      const u32 low_bias = (0xE400u + zp) * 0x10001u, high_bias = (0xD400u + 16u * zp) * 0x10001u;
+#pragma unroll
+      for (int v = 0; v < kRun; v += kVector) {
+        u32 codes[kVector];
+        const u8* source = stage + 4 * (first + v);
+        if constexpr (kVector == 4) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(source);
+          codes[0] = raw.x, codes[1] = raw.y, codes[2] = raw.z, codes[3] = raw.w;
+        } else if constexpr (kVector == 2) {
+          const uint2 raw = *reinterpret_cast<const uint2*>(source);
+          codes[0] = raw.x, codes[1] = raw.y;
+        } else {
+          codes[0] = *reinterpret_cast<const u32*>(source);
+        }
+#pragma unroll
+        for (int k = 0; k < kVector; ++k) {
+          const u32 code = codes[k];
+          const int word = word0 + v + k;
+          if constexpr (KV == KV_INT4) {
+            constexpr u32 kOne = 0x3C003C00u, kSixteenth = 0x2C002C00u;
+            const u32 shifted = code >> 8;
+            uint4 out;
+            out.x = hfma2(lop_and_or(code, 0x000F000Fu, 0x64006400u), kOne, low_bias);          // channels 0, 4
+            out.y = hfma2(lop_and_or(code, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 1, 5
+            out.z = hfma2(lop_and_or(shifted, 0x000F000Fu, 0x64006400u), kOne, low_bias);       // 2, 6
+            out.w = hfma2(lop_and_or(shifted, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 3, 7
+            *reinterpret_cast<uint4*>(at + 16 * word) = out;
+          } else {
+            uint2 out;
+            if constexpr (KV == KV_INT8) {
+              // 1024 + 128 + code (the sign bit flipped into a bias), plus -1152.
+              constexpr u32 kOne = 0x3C003C00u, kBias = 0xE480E480u;
+              out.x = hfma2((prmt(code, 0u, 0x4140u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
+              out.y = hfma2((prmt(code, 0u, 0x4342u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
+            } else {
+              out.x = fp8_pair(prmt(code, 0u, 0x1404u));
+              out.y = fp8_pair(prmt(code, 0u, 0x3424u));
+            }
+            *reinterpret_cast<uint2*>(at + 8 * word) = out;
+          }
+        }
+      }
+      // Scales: int4's scale word carries the zero-point in its low 4 bits.
+      float* scales = reinterpret_cast<float*>(decoded + 2 * kDecodedTensorBytes);
+      for (int c = threadIdx.x; c < 2 * TILE; c += kThreads) {
+        const u32 bits = scale_words[c];
+        scales[c] = __uint_as_float(KV == KV_INT4 ? bits & ~0xFu : bits) * kCodeUnit;
+      }
+    }
+  }
+
+  static __device__ void run(const Params& p, int block_shift) {
+    extern __shared__ __align__(16) u8 smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int seq = p.tiles[2 * blockIdx.y], row_tile = p.tiles[2 * blockIdx.y + 1];
+    const int kv_head = blockIdx.z;
+    const int split = blockIdx.x;
+
+    const int q_begin = p.cu_seqlens_q[seq];
+    const int q_len = p.cu_seqlens_q[seq + 1] - q_begin;
+    const int seq_len = min(p.seq_lens[seq], p.table_width * p.block_size);
+    const int block_row_begin = row_tile * kRows;
+    const int total_rows = q_len * p.group;
+    // Ids from a device, unchecked: a tile that means nothing writes nothing.
+    if (q_len <= 0 || seq_len < q_len || block_row_begin >= total_rows || q_begin < 0 ||
+        q_begin + q_len > p.num_tokens)
+      return;
+    const int context = seq_len - q_len;
+    const int block_last_row = min(block_row_begin + kRows, total_rows) - 1;
+    const int first_position = context + block_row_begin / p.group;
+    const int last_position = context + block_last_row / p.group;
+    const int key_lo = max(p.window ? first_position - p.window + 1 : 0, split * p.split_tokens);
+    const int key_hi = min(last_position + 1, (split + 1) * p.split_tokens);
+    const int* table = p.block_table + static_cast<long long>(seq) * p.table_width;
+
+    // This warp's rows g (r = 0) and g + 8 (r = 1).
+    const int row_begin = block_row_begin + 16 * warp;
+    int row_position[2];
+    bool row_valid[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_begin + g + 8 * r;
+      row_valid[r] = row < total_rows;
+      row_position[r] = context + row / p.group;
+    }
+    int min_position = row_valid[0] ? row_position[0] : 0x7fffffff;
+    int max_position = row_valid[1] ? row_position[1] : row_valid[0] ? row_position[0] : -1;
+    for (int offset = 16; offset >= 4; offset /= 2) {
+      min_position = min(min_position, __shfl_xor_sync(0xffffffffu, min_position, offset));
+      max_position = max(max_position, __shfl_xor_sync(0xffffffffu, max_position, offset));
+    }
+
+    // The query rows as the score product's A operand, high and low fp16 halves
+    // in this warp's part of shared memory ([part][row][logical dim], rows
+    // padded like decoded ones), read back with ldmatrix once per tile: held in
+    // registers they would take 8 HEAD_PAD / 16 of them for the whole loop. Each
+    // row is scaled by a power of two that brings its largest |q| near 2^14
+    // (exact), undone on the scores. Lane (g, t) loads rows g and g + 8, dims
+    // 16 kc + 8 h + 2t (+1): the pairs of the A fragments it will hold.
+    u8* const query_rows = smem + STAGES * kStageBytes + kDecodedBytes + warp * 2 * kQueryBytes;
+    float row_unscale[2];
+    {
+      float values[KC][2][2][2];   // [kc][h][r][j]
+      float largest[2] = {0.f, 0.f};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row_begin + g + 8 * r;
+        const float* q = p.query + (static_cast<long long>(q_begin + row / p.group) * p.num_heads +
+                                    kv_head * p.group + row % p.group) * p.head_size;
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const int channel = channel_of(16 * kc + 8 * h + 2 * t + j);
+              const float v = row_valid[r] && channel < p.head_size ? q[channel] : 0.f;
+              values[kc][h][r][j] = v;
+              largest[r] = fmaxf(largest[r], fabsf(v));
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m = max_over_quad(largest[r]);
+        int exponent = 0;
+        frexpf(m, &exponent);
+        const float up = m > 0.f && isfinite(m) ? ldexpf(1.f, 14 - exponent) : 1.f;
+        row_unscale[r] = 1.f / up;
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float v0 = values[kc][h][r][0] * up, v1 = values[kc][h][r][1] * up;
+            const u32 high = pack(v0, v1);
+            const float2 rounded = unpack(high);
+            u8* at = query_rows + (g + 8 * r) * kDecodedStride + 2 * (16 * kc + 8 * h + 2 * t);
+            *reinterpret_cast<u32*>(at) = high;
+            *reinterpret_cast<u32*>(at + kQueryBytes) = pack(v0 - rounded.x, v1 - rounded.y);
+          }
+        }
+      }
+      __syncwarp();
+    }
+    const float exp_scale[2] = {row_unscale[0] * kLog2e, row_unscale[1] * kLog2e};
+    // ldmatrix addresses of this lane: Q matrices rows 0-7 / 8-15 x dims +0 / +8.
+    const u8* const query_lane = query_rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kDecodedStride + 16 * (lane >> 4);
+
+    float out[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out[n][i] = 0.f;
+    float running_max[2] = {-KVC_INFINITY, -KVC_INFINITY}, running_sum[2] = {0.f, 0.f};
+    float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
+
+    const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
+    typename Pages::PageWindow window = Pages::first_window(p, table, key_lo, key_hi, block_shift);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < num_tiles) {
+        Pages::slide_window(window, p, table, (key_lo + s * TILE) >> block_shift, key_lo, key_hi, block_shift);
+        stage_tile(p, smem, s, kv_head, key_lo + s * TILE, key_lo, key_hi, block_shift, window);
+      }
+      cp_async_commit();
+    }
+    u8* const decoded = smem + STAGES * kStageBytes;
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      cp_async_wait<STAGES - 2>();
+      // Everyone is done with tile - 1: its stage (refilled next) and the decoded rows.
+      __syncthreads();
+      const int next = tile + STAGES - 1;
+      if (next < num_tiles) {
+        const int next_base = key_lo + next * TILE;
+        Pages::slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+        stage_tile(p, smem, next % STAGES, kv_head, next_base, key_lo, key_hi, block_shift, window);
+      }
+      cp_async_commit();
+      const u8* stage = smem + (tile % STAGES) * kStageBytes;
+      if constexpr (kQuantized) {
+        decode_tile(stage, decoded);
+        __syncthreads();
+      }
+      const u8* keys = kQuantized ? decoded : stage;
+      const u8* values = keys + (kQuantized ? kDecodedTensorBytes : kRawTensorBytes);
+      const float* key_scales = reinterpret_cast<const float*>(decoded + 2 * kDecodedTensorBytes);
+      const float* value_scales = key_scales + TILE;
+      const int base = key_lo + tile * TILE;
+      // Tiles no row of this warp sees (causal, window): nothing to do.
+      if (max_position < 0 || base > max_position ||
+          (p.window != 0 && base + TILE - 1 <= min_position - p.window))
+        continue;
+
+      // Scores: thread (g, t) holds rows g (c0, c1) and g + 8 (c2, c3), tokens 8 n + 2t (+1).
+      float score[NT][4];
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) score[n][i] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < KC; kc += 2) {
+        u32 q_high[2][4], q_low[2][4];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          ldmatrix_x4(q_high[k], query_lane + 32 * (kc + k));
+          ldmatrix_x4(q_low[k], query_lane + kQueryBytes + 32 * (kc + k));
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          // Matrices: tokens 8n.. x dims 16 kc, 16 kc + 8, 16 kc + 16, 16 kc + 24.
+          u32 b[4];
+          ldmatrix_x4(b, keys + (8 * n + (lane & 7)) * kDecodedStride + 2 * (16 * kc + 8 * (lane >> 3)));
+          mma<kBf16>(score[n], q_high[0], b[0], b[1]);
+          mma<kBf16>(score[n], q_low[0], b[0], b[1]);
+          mma<kBf16>(score[n], q_high[1], b[2], b[3]);
+          mma<kBf16>(score[n], q_low[1], b[2], b[3]);
+        }
+      }
+
+      // Scores in "row units" (z = q_up . k x key scale: the row's true logit
+      // times 2^k, the row's query scaling, exact), capped and masked; the tile's
+      // maximum per row. The softmax then works in log2 units through one FMA a
+      // score: p = 2^(z c - m c), c = 2^-k log2(e).
+      const bool all_visible = base + TILE <= key_hi && base + TILE - 1 <= min_position &&
+                               (p.window == 0 || base > max_position - p.window);
+      float tile_max[2] = {-KVC_INFINITY, -KVC_INFINITY};
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        float2 key_scale = kQuantized ? *reinterpret_cast<const float2*>(key_scales + 8 * n + 2 * t)
+                                      : make_float2(1.f, 1.f);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = i >> 1;
+          float z = score[n][i] * (i & 1 ? key_scale.y : key_scale.x);
+          if (p.softcap > 0.f) z = p.softcap * tanhf(z * row_unscale[r] / p.softcap) / row_unscale[r];
+          if (!all_visible) {
+            const int position = base + 8 * n + 2 * t + (i & 1);
+            const bool visible = row_valid[r] && position < key_hi && position <= row_position[r] &&
+                                 (p.window == 0 || position > row_position[r] - p.window);
+            if (!visible) z = -KVC_INFINITY;
+          }
+          score[n][i] = z;
+          tile_max[r] = fmaxf(tile_max[r], z);
+        }
+      }
+      // V scales of the tile: the new reference R.
+      float tile_reference = reference;
+      if constexpr (kQuantized) {
+        float largest = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const float2 scale = *reinterpret_cast<const float2*>(value_scales + 8 * n + 2 * t);
+          largest = fmaxf(largest, fmaxf(scale.x, scale.y));
+        }
+        largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
+        largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
+        tile_reference = fmaxf(reference, largest);
+      }
+      const float rescale_values = tile_reference == reference ? 1.f
+                                   : tile_reference > 0.f ? __fdividef(reference, tile_reference) : 0.f;
+      const float to_reference = tile_reference > 0.f ? __fdividef(1.f, tile_reference) : 1.f;
+      reference = tile_reference;
+
+      float alpha[2], shift[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m = max_over_quad(tile_max[r]);
+        const float new_max = fmaxf(running_max[r], m);
+        shift[r] = new_max == -KVC_INFINITY ? 0.f : new_max * exp_scale[r];
+        alpha[r] = new_max == running_max[r] ? 1.f : fast_exp2(fmaf(running_max[r], exp_scale[r], -shift[r]));
+        running_max[r] = new_max;
+      }
+      // Probabilities times V scale / R, as the P operand's fp16 (bf16) pairs.
+      u32 p_high[NT][2], p_low[kBf16 ? NT : 1][2];
+      float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        float2 value_scale = kQuantized ? *reinterpret_cast<const float2*>(value_scales + 8 * n + 2 * t)
+                                        : make_float2(1.f, 1.f);
+        value_scale.x *= to_reference;
+        value_scale.y *= to_reference;
+        float w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float prob = fast_exp2(fmaf(score[n][i], exp_scale[i >> 1], -shift[i >> 1]));
+          tile_sum[i >> 1] += prob;
+          w[i] = kQuantized ? prob * (i & 1 ? value_scale.y : value_scale.x) : prob;
+          // A masked token adds nothing, even with a NaN scale.
+          if (kQuantized && !all_visible && prob == 0.f) w[i] = 0.f;
+        }
+        p_high[n][0] = pack(w[0], w[1]);
+        p_high[n][1] = pack(w[2], w[3]);
+        if constexpr (kBf16) {
+          const float2 h0 = unpack(p_high[n][0]), h1 = unpack(p_high[n][1]);
+          p_low[n][0] = pack(w[0] - h0.x, w[1] - h0.y);
+          p_low[n][1] = pack(w[2] - h1.x, w[3] - h1.y);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) running_sum[r] = running_sum[r] * alpha[r] + tile_sum[r];
+      const float f0 = alpha[0] * rescale_values, f1 = alpha[1] * rescale_values;
+      if (!__all_sync(0xffffffffu, f0 == 1.f && f1 == 1.f)) {
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+          out[n][0] *= f0;
+          out[n][1] *= f0;
+          out[n][2] *= f1;
+          out[n][3] *= f1;
+        }
+      }
+
+      // Output: k step j is tokens 16 j .. 16 j + 15, i.e. score tiles 2j, 2j + 1.
+#pragma unroll
+      for (int j = 0; j < TILE / 16; ++j) {
+        const u32 a_high[4] = {p_high[2 * j][0], p_high[2 * j][1], p_high[2 * j + 1][0], p_high[2 * j + 1][1]};
+        u32 a_low[4];
+        if constexpr (kBf16) {
+          a_low[0] = p_low[2 * j][0], a_low[1] = p_low[2 * j][1];
+          a_low[2] = p_low[2 * j + 1][0], a_low[3] = p_low[2 * j + 1][1];
+        }
+#pragma unroll
+        for (int n = 0; n < ND; n += 2) {
+          // Matrices (transposed): tokens 16j.. and 16j + 8.. x dims 8n.., then 8(n + 1)...
+          u32 b[4];
+          ldmatrix_x4_trans(b, values + (16 * j + (lane & 7) + 8 * ((lane >> 3) & 1)) * kDecodedStride +
+                                   2 * (8 * n + 8 * (lane >> 4)));
+          mma<kBf16>(out[n], a_high, b[0], b[1]);
+          mma<kBf16>(out[n + 1], a_high, b[2], b[3]);
+          if constexpr (kBf16) {
+            mma<kBf16>(out[n], a_low, b[0], b[1]);
+            mma<kBf16>(out[n + 1], a_low, b[2], b[3]);
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+
+    // Partial state of this split: max and sum per row, the accumulators times R.
+    const long long split_rows = static_cast<long long>(split) * p.num_tokens;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float sum = sum_over_quad(running_sum[r]);
+      if (!row_valid[r]) continue;
+      const int row = row_begin + g + 8 * r;
+      const long long index =
+          (split_rows + q_begin + row / p.group) * p.num_heads + kv_head * p.group + row % p.group;
+      if (t == 0) {
+        p.part_stats[2 * index] = running_max[r] * row_unscale[r];   // natural units (2^-k: exact)
+        p.part_stats[2 * index + 1] = sum;
+      }
+      float* destination = p.part_out + index * p.head_size;
+#pragma unroll
+      for (int n = 0; n < ND; ++n) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int channel = channel_of(8 * n + 2 * t + j);
+          if (channel < p.head_size) destination[channel] = out[n][2 * r + j] * reference;
+        }
+      }
+    }
+  }
+};
+
+}  // namespace kvc_attn
