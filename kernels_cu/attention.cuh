@@ -1056,31 +1056,46 @@ struct Attention {
 
 // Combine the splits' partial states of every (query token, head) row:
 // out = sum_s o_s e^{m_s - M} / (sum_s l_s e^{m_s - M} + e^{sink - M}).
+// One warp a row, kMergeRows rows a block (one block a row left most of the
+// time to block scheduling: 1.1 ms for 2^20 rows of one split on an H200).
+// Each lane works out the weights e^{m_s - M} of splits lane, lane + 32, ...
+// into the warp's part of shared memory, then sums channels lane, lane + 32, ...
+constexpr int kMergeRows = 8;
+constexpr int kMergeMaxSplits = 256;   // cuda_attention.MAX_SPLITS
+
 template <typename OUT>
 __device__ void merge_splits(const float* part_out, const float* part_stats, const float* sinks, OUT* out,
                              int num_splits, int num_tokens, int num_heads, int head_size) {
-  const int row = blockIdx.x;
-  const int head = row % num_heads;
+  __shared__ float weights[kMergeRows][kMergeMaxSplits];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long rows = static_cast<long long>(num_tokens) * num_heads;
+  const long long row = static_cast<long long>(blockIdx.x) * kMergeRows + warp;
+  if (row >= rows) return;   // a whole warp: no block-wide barrier follows
+  const int head = static_cast<int>(row % num_heads);
   float peak = -KVC_INFINITY;
-  for (int s = 0; s < num_splits; ++s) peak = fmaxf(peak, part_stats[2 * (s * rows + row)]);
+  for (int s = lane; s < num_splits; s += 32) peak = fmaxf(peak, part_stats[2 * (s * rows + row)]);
+  for (int offset = 16; offset >= 1; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, offset));
   const bool has_sink = sinks != nullptr;
   if (has_sink) peak = fmaxf(peak, sinks[head]);
   const float shift = peak == -KVC_INFINITY ? 0.f : peak;
-  float total = has_sink ? expf(sinks[head] - shift) : 0.f;
-  for (int s = 0; s < num_splits; ++s) {
+  float total = 0.f;
+  for (int s = lane; s < num_splits; s += 32) {
     const float m = part_stats[2 * (s * rows + row)];
-    total += part_stats[2 * (s * rows + row) + 1] * expf(m - shift);
+    const float weight = expf(m - shift);
+    total += part_stats[2 * (s * rows + row) + 1] * weight;
+    weights[warp][s] = weight;   // NaN for a NaN state
   }
-  for (int c = threadIdx.x; c < head_size; c += blockDim.x) {
+  for (int offset = 16; offset >= 1; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+  if (has_sink) total += expf(sinks[head] - shift);
+  __syncwarp();
+  for (int c = lane; c < head_size; c += 32) {
     float acc = 0.f;
     for (int s = 0; s < num_splits; ++s) {
-      const float m = part_stats[2 * (s * rows + row)];
-      const float weight = expf(m - shift);
-      if (weight != 0.f || isnan(m)) acc += part_out[(s * rows + row) * head_size + c] * weight;
+      // A split that saw nothing of this row (weight 0) adds nothing, whatever it holds.
+      const float weight = weights[warp][s];
+      if (weight != 0.f) acc += part_out[(s * rows + row) * head_size + c] * weight;
     }
-    const float value = acc / total;
-    out[row * static_cast<long long>(head_size) + c] = kvc::from_float<OUT>(value);
+    out[row * static_cast<long long>(head_size) + c] = kvc::from_float<OUT>(acc / total);
   }
 }
 

@@ -177,45 +177,46 @@ struct Prefill {
       // at 1024 is 1); of -(64 + zp): 0xD400 + 16 zp (ulp 1/16).
       const u32 zp = KV == KV_INT4 ? scale_words[row] & 0xFu : 0u;
       const u32 low_bias = (0xE400u + zp) * 0x10001u, high_bias = (0xD400u + 16u * zp) * 0x10001u;
+      // Every load first: the decoding then waits on shared memory once.
+      u32 codes[kRun];
 #pragma unroll
       for (int v = 0; v < kRun; v += kVector) {
-        u32 codes[kVector];
         const u8* source = stage + 4 * (first + v);
         if constexpr (kVector == 4) {
           const uint4 raw = *reinterpret_cast<const uint4*>(source);
-          codes[0] = raw.x, codes[1] = raw.y, codes[2] = raw.z, codes[3] = raw.w;
+          codes[v] = raw.x, codes[v + 1] = raw.y, codes[v + 2] = raw.z, codes[v + 3] = raw.w;
         } else if constexpr (kVector == 2) {
           const uint2 raw = *reinterpret_cast<const uint2*>(source);
-          codes[0] = raw.x, codes[1] = raw.y;
+          codes[v] = raw.x, codes[v + 1] = raw.y;
         } else {
-          codes[0] = *reinterpret_cast<const u32*>(source);
+          codes[v] = *reinterpret_cast<const u32*>(source);
         }
+      }
 #pragma unroll
-        for (int k = 0; k < kVector; ++k) {
-          const u32 code = codes[k];
-          const int word = word0 + v + k;
-          if constexpr (KV == KV_INT4) {
-            constexpr u32 kOne = 0x3C003C00u, kSixteenth = 0x2C002C00u;
-            const u32 shifted = code >> 8;
-            uint4 out;
-            out.x = hfma2(lop_and_or(code, 0x000F000Fu, 0x64006400u), kOne, low_bias);          // channels 0, 4
-            out.y = hfma2(lop_and_or(code, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 1, 5
-            out.z = hfma2(lop_and_or(shifted, 0x000F000Fu, 0x64006400u), kOne, low_bias);       // 2, 6
-            out.w = hfma2(lop_and_or(shifted, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 3, 7
-            *reinterpret_cast<uint4*>(at + 16 * word) = out;
+      for (int v = 0; v < kRun; ++v) {
+        const u32 code = codes[v];
+        const int word = word0 + v;
+        if constexpr (KV == KV_INT4) {
+          constexpr u32 kOne = 0x3C003C00u, kSixteenth = 0x2C002C00u;
+          const u32 shifted = code >> 8;
+          uint4 out;
+          out.x = hfma2(lop_and_or(code, 0x000F000Fu, 0x64006400u), kOne, low_bias);          // channels 0, 4
+          out.y = hfma2(lop_and_or(code, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 1, 5
+          out.z = hfma2(lop_and_or(shifted, 0x000F000Fu, 0x64006400u), kOne, low_bias);       // 2, 6
+          out.w = hfma2(lop_and_or(shifted, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 3, 7
+          *reinterpret_cast<uint4*>(at + 16 * word) = out;
+        } else {
+          uint2 out;
+          if constexpr (KV == KV_INT8) {
+            // 1024 + 128 + code (the sign bit flipped into a bias), plus -1152.
+            constexpr u32 kOne = 0x3C003C00u, kBias = 0xE480E480u;
+            out.x = hfma2((prmt(code, 0u, 0x4140u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
+            out.y = hfma2((prmt(code, 0u, 0x4342u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
           } else {
-            uint2 out;
-            if constexpr (KV == KV_INT8) {
-              // 1024 + 128 + code (the sign bit flipped into a bias), plus -1152.
-              constexpr u32 kOne = 0x3C003C00u, kBias = 0xE480E480u;
-              out.x = hfma2((prmt(code, 0u, 0x4140u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
-              out.y = hfma2((prmt(code, 0u, 0x4342u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
-            } else {
-              out.x = fp8_pair(prmt(code, 0u, 0x1404u));
-              out.y = fp8_pair(prmt(code, 0u, 0x3424u));
-            }
-            *reinterpret_cast<uint2*>(at + 8 * word) = out;
+            out.x = fp8_pair(prmt(code, 0u, 0x1404u));
+            out.y = fp8_pair(prmt(code, 0u, 0x3424u));
           }
+          *reinterpret_cast<uint2*>(at + 8 * word) = out;
         }
       }
       // Scales: int4's scale word carries the zero-point in its low 4 bits.
@@ -223,6 +224,67 @@ struct Prefill {
       for (int c = threadIdx.x; c < 2 * TILE; c += kThreads) {
         const u32 bits = scale_words[c];
         scales[c] = __uint_as_float(KV == KV_INT4 ? bits & ~0xFu : bits) * kCodeUnit;
+      }
+    }
+  }
+
+  // Scores of a tile in "row units": z = (q x 2^k) . k x key scale, the row's
+  // true logit times 2^k (its query scaling, a power of two: exact); capped;
+  // with MASKED, -inf where the row does not see the token. The row maxima.
+  template <bool MASKED>
+  static __device__ __forceinline__ void row_unit_scores(float (&score)[NT][4], const float* key_scales,
+                                                         const Params& p, int base, int t, int key_hi,
+                                                         const int (&row_position)[2], const bool (&row_valid)[2],
+                                                         const float (&row_unscale)[2], float (&tile_max)[2]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const float2 key_scale = kQuantized ? *reinterpret_cast<const float2*>(key_scales + 8 * n + 2 * t)
+                                          : make_float2(1.f, 1.f);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = i >> 1;
+        float z = score[n][i] * (i & 1 ? key_scale.y : key_scale.x);
+        if (p.softcap > 0.f) z = p.softcap * tanhf(z * row_unscale[r] / p.softcap) / row_unscale[r];
+        if constexpr (MASKED) {
+          const int position = base + 8 * n + 2 * t + (i & 1);
+          const bool visible = row_valid[r] && position < key_hi && position <= row_position[r] &&
+                               (p.window == 0 || position > row_position[r] - p.window);
+          if (!visible) z = -KVC_INFINITY;
+        }
+        score[n][i] = z;
+        tile_max[r] = fmaxf(tile_max[r], z);
+      }
+    }
+  }
+
+  // The P operand: p = 2^(z c - shift) (c = 2^-k log2 e) times V scale / R, as
+  // fp16 (bf16: high and low) pairs; the row sums of p. With MASKED, a masked
+  // token (p = 0) adds nothing even with a NaN scale.
+  template <bool MASKED>
+  static __device__ __forceinline__ void probabilities(const float (&score)[NT][4], const float* value_scales,
+                                                       float to_reference, const float (&exp_scale)[2],
+                                                       const float (&shift)[2], int t, u32 (&p_high)[NT][2],
+                                                       u32 (&p_low)[kBf16 ? NT : 1][2], float (&tile_sum)[2]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      float2 value_scale = kQuantized ? *reinterpret_cast<const float2*>(value_scales + 8 * n + 2 * t)
+                                      : make_float2(1.f, 1.f);
+      value_scale.x *= to_reference;
+      value_scale.y *= to_reference;
+      float w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float prob = fast_exp2(fmaf(score[n][i], exp_scale[i >> 1], -shift[i >> 1]));
+        tile_sum[i >> 1] += prob;
+        w[i] = kQuantized ? prob * (i & 1 ? value_scale.y : value_scale.x) : prob;
+        if (kQuantized && MASKED && prob == 0.f) w[i] = 0.f;
+      }
+      p_high[n][0] = pack(w[0], w[1]);
+      p_high[n][1] = pack(w[2], w[3]);
+      if constexpr (kBf16) {
+        const float2 h0 = unpack(p_high[n][0]), h1 = unpack(p_high[n][1]);
+        p_low[n][0] = pack(w[0] - h0.x, w[1] - h0.y);
+        p_low[n][1] = pack(w[2] - h1.x, w[3] - h1.y);
       }
     }
   }
@@ -404,25 +466,11 @@ struct Prefill {
       const bool all_visible = base + TILE <= key_hi && base + TILE - 1 <= min_position &&
                                (p.window == 0 || base > max_position - p.window);
       float tile_max[2] = {-KVC_INFINITY, -KVC_INFINITY};
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        float2 key_scale = kQuantized ? *reinterpret_cast<const float2*>(key_scales + 8 * n + 2 * t)
-                                      : make_float2(1.f, 1.f);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = i >> 1;
-          float z = score[n][i] * (i & 1 ? key_scale.y : key_scale.x);
-          if (p.softcap > 0.f) z = p.softcap * tanhf(z * row_unscale[r] / p.softcap) / row_unscale[r];
-          if (!all_visible) {
-            const int position = base + 8 * n + 2 * t + (i & 1);
-            const bool visible = row_valid[r] && position < key_hi && position <= row_position[r] &&
-                                 (p.window == 0 || position > row_position[r] - p.window);
-            if (!visible) z = -KVC_INFINITY;
-          }
-          score[n][i] = z;
-          tile_max[r] = fmaxf(tile_max[r], z);
-        }
-      }
+      // Uniform across the warp: two code paths, not selects on every score.
+      if (all_visible)
+        row_unit_scores<false>(score, key_scales, p, base, t, key_hi, row_position, row_valid, row_unscale, tile_max);
+      else
+        row_unit_scores<true>(score, key_scales, p, base, t, key_hi, row_position, row_valid, row_unscale, tile_max);
       // V scales of the tile: the new reference R.
       float tile_reference = reference;
       if constexpr (kQuantized) {
@@ -453,29 +501,10 @@ struct Prefill {
       // Probabilities times V scale / R, as the P operand's fp16 (bf16) pairs.
       u32 p_high[NT][2], p_low[kBf16 ? NT : 1][2];
       float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        float2 value_scale = kQuantized ? *reinterpret_cast<const float2*>(value_scales + 8 * n + 2 * t)
-                                        : make_float2(1.f, 1.f);
-        value_scale.x *= to_reference;
-        value_scale.y *= to_reference;
-        float w[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float prob = fast_exp2(fmaf(score[n][i], exp_scale[i >> 1], -shift[i >> 1]));
-          tile_sum[i >> 1] += prob;
-          w[i] = kQuantized ? prob * (i & 1 ? value_scale.y : value_scale.x) : prob;
-          // A masked token adds nothing, even with a NaN scale.
-          if (kQuantized && !all_visible && prob == 0.f) w[i] = 0.f;
-        }
-        p_high[n][0] = pack(w[0], w[1]);
-        p_high[n][1] = pack(w[2], w[3]);
-        if constexpr (kBf16) {
-          const float2 h0 = unpack(p_high[n][0]), h1 = unpack(p_high[n][1]);
-          p_low[n][0] = pack(w[0] - h0.x, w[1] - h0.y);
-          p_low[n][1] = pack(w[2] - h1.x, w[3] - h1.y);
-        }
-      }
+      if (all_visible)
+        probabilities<false>(score, value_scales, to_reference, exp_scale, shift, t, p_high, p_low, tile_sum);
+      else
+        probabilities<true>(score, value_scales, to_reference, exp_scale, shift, t, p_high, p_low, tile_sum);
 #pragma unroll
       for (int r = 0; r < 2; ++r) running_sum[r] = running_sum[r] * alpha[r] + tile_sum[r];
       const float f0 = alpha[0] * rescale_values, f1 = alpha[1] * rescale_values;

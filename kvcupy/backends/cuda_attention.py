@@ -31,7 +31,8 @@ HEAD_CLASS = 32          # head sizes are padded up to a multiple of this (maske
 STAGES = 3               # cp.async pipeline depth
 STAGE_BYTES_TARGET = 40 * 1024   # keep a stage (K + V + scales) near this: 2 blocks a multiprocessor
 SHARED_BYTES_PER_SM = 227 * 1024
-MAX_SPLITS = 256
+MAX_SPLITS = 256         # attention.cuh: kMergeMaxSplits
+MERGE_ROWS = 8           # attention.cuh: kMergeRows (a warp a row)
 # Four quads (16 query rows a warp) double the accumulators of two: above this
 # head size they spill even at 255 registers, so larger heads take more row tiles.
 MAX_HEAD_PAD_FOUR_QUADS = 128
@@ -402,7 +403,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         target_dtype = np.dtype(np.float32) if rotated else out.dtype
         merge = plan.function("merge_splits", {"KVC_OUT_T": formats.CPP_TYPES[target_dtype]})
         sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
-        merge((num_tokens * num_heads,), (min(256, -(-head_size // 32) * 32),),
+        merge((-(-num_tokens * num_heads // MERGE_ROWS),), (32 * MERGE_ROWS,),
               (work["part_out"], work["part_stats"], sink_logits if sink_logits is not None else np.uintp(0),
                target, np.int32(plan.num_splits), np.int32(num_tokens), np.int32(num_heads),
                np.int32(head_size)))
