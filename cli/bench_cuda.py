@@ -160,6 +160,9 @@ DECODE_MAIN = Shape("decode", 32, 32768, 32, 8, 128)
 DECODE_D96 = Shape("decode", 32, 32768, 32, 8, 96)
 DECODE_SHORT = Shape("decode", 32, 8192, 32, 8, 128)
 DECODE_FEW = Shape("decode", 8, 32768, 32, 8, 128)
+PREFILL_MAIN = Shape("prefill", 4, 8192, 32, 8, 128)
+PREFILL_D96 = Shape("prefill", 4, 8192, 32, 8, 96)
+PREFILL_SHORT = Shape("prefill", 64, 128, 32, 8, 128)
 WRITE_MAIN = WriteShape(32768, 8, 128)
 ROTATE_HEAD_SIZES = (64, 96, 128, 256)
 
@@ -177,8 +180,7 @@ class Sizes:
 FULL_SIZES = Sizes(
     decode=(DECODE_MAIN, DECODE_D96, DECODE_SHORT, DECODE_FEW),
     sweep=DECODE_MAIN, sweep_seq_lens=tuple(1024 << k for k in range(8)),   # 1k .. 128k
-    prefill=(Shape("prefill", 4, 8192, 32, 8, 128), Shape("prefill", 1, 2048, 32, 8, 128),
-             Shape("prefill", 64, 128, 32, 8, 128)),
+    prefill=(PREFILL_MAIN, PREFILL_D96, Shape("prefill", 1, 2048, 32, 8, 128), PREFILL_SHORT),
     write=(WRITE_MAIN,),
     rotate=tuple(RotateShape(1 << 20, d) for d in ROTATE_HEAD_SIZES))
 # A smoke test: every path, small shapes, seconds.
@@ -562,6 +564,11 @@ TARGETS = (
            "int4_per_token_head", "tb_per_s", 3.2),
     Target("decode int4, 8 x 32768, d = 128: >= 3.2 TB/s", "decode", DECODE_FEW,
            "int4_per_token_head", "tb_per_s", 3.2),
+    # The prefill issue's (causal FLOP counted over the triangle only).
+    *(Target(f"prefill {SHORT_NAMES[kv]}, 4 x 8192 causal, d = 128: >= 300 TFLOP/s", "prefill", PREFILL_MAIN,
+             kv, "tflop_per_s", 300.0) for kv in ("int4_per_token_head", "int8_per_token_head", "fp8_per_token_head")),
+    Target("prefill int4, 64 x 128 causal, d = 128: >= 50% of SDPA bf16", "prefill", PREFILL_SHORT,
+           "int4_per_token_head", "speedup_vs_sdpa", 0.5),
     Target("write int4, 32768 tokens x 8 heads, d = 128: >= 70% of copy bandwidth", "write", WRITE_MAIN,
            "int4_per_token_head", "bandwidth_vs_copy", 0.7),
     *(Target(f"rotate d = {d}: >= 80% of copy bandwidth", "rotate", RotateShape(1 << 20, d), None,

@@ -70,8 +70,10 @@ struct Prefill {
   static constexpr int kRawScaleBytes = kQuantized ? TILE * 4 : 0;
   static constexpr int kStageBytes = 2 * kRawTensorBytes + 2 * kRawScaleBytes;
   static constexpr int kDecodedTensorBytes = TILE * kDecodedStride;
-  // Decoded tile (quantized caches): K rows, V rows, then K and V scales as floats.
-  static constexpr int kDecodedBytes = kQuantized ? 2 * kDecodedTensorBytes + 2 * TILE * 4 : 0;
+  // A decoded tile (quantized caches): K rows, V rows, then K and V scales as
+  // floats; two of them, the next tile decoded while this one is used.
+  static constexpr int kDecodedBufferBytes = 2 * kDecodedTensorBytes + 2 * TILE * 4;
+  static constexpr int kDecodedBytes = kQuantized ? 2 * kDecodedBufferBytes : 0;
   // Query rows of a warp, high or low halves: 16 rows as decoded ones.
   static constexpr int kQueryBytes = 16 * kDecodedStride;
   static constexpr int kSharedBytes = STAGES * kStageBytes + kDecodedBytes + WARPS * 2 * kQueryBytes;
@@ -397,9 +399,16 @@ struct Prefill {
     float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
     const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
+    // Plain caches: raw stages STAGES - 1 tiles ahead, the products read the
+    // stage. Quantized caches: raw stages STAGES tiles ahead, and tile + 1 is
+    // decoded into the other decoded buffer while tile's products run, so one
+    // barrier a tile orders everything: after it, every thread is done with
+    // tile - 1's products (the buffer decoded next) and with decoding tile
+    // (whose raw stage is refilled next), and tile + 1's copies have landed.
+    constexpr int kAhead = kQuantized ? STAGES : STAGES - 1;
     typename Pages::PageWindow window = Pages::first_window(p, table, key_lo, key_hi, block_shift);
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < kAhead; ++s) {
       if (s < num_tiles) {
         Pages::slide_window(window, p, table, (key_lo + s * TILE) >> block_shift, key_lo, key_hi, block_shift);
         stage_tile(p, smem, s, kv_head, key_lo + s * TILE, key_lo, key_hi, block_shift, window);
@@ -407,25 +416,26 @@ struct Prefill {
       cp_async_commit();
     }
     u8* const decoded = smem + STAGES * kStageBytes;
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      cp_async_wait<STAGES - 2>();
-      // Everyone is done with tile - 1: its stage (refilled next) and the decoded rows.
+    if (kQuantized && num_tiles > 0) {
+      cp_async_wait<STAGES - 1>();
       __syncthreads();
-      const int next = tile + STAGES - 1;
+      decode_tile(smem, decoded);
+    }
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      cp_async_wait<STAGES - 2>();   // quantized: tile + 1 landed; plain: tile
+      __syncthreads();
+      const int next = tile + kAhead;
       if (next < num_tiles) {
         const int next_base = key_lo + next * TILE;
         Pages::slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
         stage_tile(p, smem, next % STAGES, kv_head, next_base, key_lo, key_hi, block_shift, window);
       }
-      cp_async_commit();
-      const u8* stage = smem + (tile % STAGES) * kStageBytes;
-      if constexpr (kQuantized) {
-        decode_tile(stage, decoded);
-        __syncthreads();
-      }
-      const u8* keys = kQuantized ? decoded : stage;
+      cp_async_commit();   // (an empty group at the end keeps wait_group's count in step)
+      if (kQuantized && tile + 1 < num_tiles)
+        decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, decoded + ((tile + 1) & 1) * kDecodedBufferBytes);
+      const u8* keys = kQuantized ? decoded + (tile & 1) * kDecodedBufferBytes : smem + (tile % STAGES) * kStageBytes;
       const u8* values = keys + (kQuantized ? kDecodedTensorBytes : kRawTensorBytes);
-      const float* key_scales = reinterpret_cast<const float*>(decoded + 2 * kDecodedTensorBytes);
+      const float* key_scales = reinterpret_cast<const float*>(keys + 2 * kDecodedTensorBytes);
       const float* value_scales = key_scales + TILE;
       const int base = key_lo + tile * TILE;
       // Tiles no row of this warp sees (causal, window): nothing to do.

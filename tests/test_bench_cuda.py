@@ -188,8 +188,8 @@ def test_full_run_has_the_issues_shapes_and_a_sweep_without_duplicates():
     assert [g.shape.seq_len for g in sweep] == [1024, 2048, 4096, 16384, 65536, 131072]
     assert all(g.kv_dtypes == ("int4_per_token_head",) for g in sweep)
     assert [g.shape for g in groups if g.kind == "prefill"] == [
-        Shape("prefill", 4, 8192, 32, 8, 128), Shape("prefill", 1, 2048, 32, 8, 128),
-        Shape("prefill", 64, 128, 32, 8, 128)]
+        Shape("prefill", 4, 8192, 32, 8, 128), Shape("prefill", 4, 8192, 32, 8, 96),
+        Shape("prefill", 1, 2048, 32, 8, 128), Shape("prefill", 64, 128, 32, 8, 128)]
     assert [g.shape for g in groups if g.kind == "write"] == [WRITE_MAIN]
     assert [g.shape.head_size for g in groups if g.kind == "rotate"] == [64, 96, 128, 256]
 
@@ -366,6 +366,9 @@ def test_targets_are_judged_from_the_same_records(fake_report):
     auto = targets["decode auto (bf16), 32 x 32768, d = 128: time within 10% of SDPA"]
     assert auto["met"] is False   # 3.5 TB/s on the same bytes as SDPA's 4.6
     assert targets["write int4, 32768 tokens x 8 heads, d = 128: >= 70% of copy bandwidth"]["met"] is True
+    prefill = targets["prefill int4, 4 x 8192 causal, d = 128: >= 300 TFLOP/s"]
+    int4 = record_of(group_of(fake_report, "prefill", Shape("prefill", 4, 8192, 32, 8, 128)), "kvcupy int4")
+    assert prefill["measured"] == pytest.approx(int4["tflop_per_s"]) and prefill["metric"] == "tflop_per_s"
 
 
 def test_runner_frees_every_group_and_builds_each_case_once():

@@ -160,7 +160,7 @@ class PrefillKernel:
         raw_stride = self.head_pad * bits // 8 if self.quantized else decoded_stride
         scales = 4 * self.tile if self.quantized else 0
         stage = 2 * self.tile * raw_stride + 2 * scales
-        decoded = 2 * self.tile * decoded_stride + 2 * 4 * self.tile if self.quantized else 0
+        decoded = 2 * (2 * self.tile * decoded_stride + 2 * 4 * self.tile) if self.quantized else 0   # two buffers
         queries = self.warps * 2 * 16 * decoded_stride
         return self.stages * stage + decoded + queries
 

@@ -1,0 +1,136 @@
+"""A/B timings of the prefill attention kernel under planner variants, in one process.
+
+    PYTHONPATH=. python3 tools/prefill_variants.py VARIANTS [SHAPES]
+
+VARIANTS is a JSON list; each variant has a "name" and any of:
+  "dtypes":     KV dtypes to time (default ["int4_per_token_head"])
+  "src":        a folder of kernel sources to compile instead of kernels_cu/ (KVCUPY_KERNEL_DIR)
+  "tile", "warps", "min_blocks": the prefill kernel's tokens a tile, warps a block and
+                __launch_bounds__ minimum blocks, forced (cuda_attention.PREFILL_*)
+  "defines":    extra -D defines
+SHAPES is a JSON list of [sequences, context, new tokens] (default [[4, 8192, 8192]]:
+the prefill target's causal prompt; [4, 32768, 2048] is its chunked prefill, 2048
+new tokens over 30720 cached). 32 query / 8 KV heads, d = 128 (or "head_size"
+in a variant), block size 16, pages in random order, random codes and scales,
+no rotation.
+
+Each (variant, dtype, shape) is timed as the whole paged_attention call (query
+scale, attention, merge), two calls between CUDA events after 3 warm-up calls,
+the median of 7; TFLOP/s counts 4 d Hq per (query, key it sees): the causal
+square by halves, a chunk's cached part in full. Prints one JSON line a case
+and writes prefill_variants.json to $OUT (or the current folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import cupy
+import numpy as np
+
+import kvcupy as kc
+from kvcupy import jit
+from kvcupy.backends import cuda_attention
+
+QUERY_HEADS, KV_HEADS, BLOCK_SIZE = 32, 8, 16
+
+
+def make_case(kv_dtype: str, sequences: int, context: int, new_tokens: int, head_size: int, rng) -> dict:
+    pages = sequences * context // BLOCK_SIZE
+    info = kc.formats.kv_dtype_info(kv_dtype)
+    rows = (pages, BLOCK_SIZE, KV_HEADS, info.stored_head_size(head_size))
+    rotation = kc.rotation_plan(head_size, "none")
+    if kv_dtype == "auto":
+        key = cupy.asarray(rng.standard_normal(rows).astype(np.float16))
+        cache = kc.wrap_cache(key, key.copy(), kv_dtype="auto", rotation=rotation)
+    else:
+        key, value = (cupy.asarray(rng.integers(0, 256, rows, dtype=np.uint8)).view(info.storage) for _ in range(2))
+        scales = cupy.asarray((rng.random(rows[:3]) * 0.1 + 0.01).astype(np.float32))
+        cache = kc.wrap_cache(key, value, scales, scales.copy(), kv_dtype=kv_dtype, rotation=rotation)
+    first = context - new_tokens + 1                     # keys the first new token sees
+    attended = sequences * (first + context) * new_tokens // 2
+    return dict(cache=cache, sequences=sequences, context=context, new_tokens=new_tokens, pages=pages,
+                table=rng.permutation(pages).astype(np.int32).reshape(sequences, -1),
+                query=cupy.asarray(rng.standard_normal((sequences * new_tokens, QUERY_HEADS, head_size))
+                                   .astype(np.float16)),
+                flops=4 * head_size * QUERY_HEADS * attended)
+
+
+def time_case(case: dict) -> tuple[float, object]:
+    batch = kc.plan_batch(block_table=case["table"], seq_lens=np.full(case["sequences"], case["context"], np.int32),
+                          cu_seqlens_q=np.arange(case["sequences"] + 1, dtype=np.int32) * case["new_tokens"],
+                          block_size=BLOCK_SIZE, num_blocks=case["pages"])
+    out = cupy.empty_like(case["query"])
+
+    def call():
+        kc.paged_attention(case["query"], case["cache"], batch=batch, out=out)
+
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(7):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        call()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 2)
+    (plan,) = batch._backend_plans.values()
+    return float(np.median(times)), plan
+
+
+def with_variant(variant: dict, run):
+    """run() with the variant's planner constants, defines and sources, restored after."""
+    saved = (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS,
+             cuda_attention.PrefillKernel.__init__.__defaults__, cuda_attention.PrefillKernel.defines,
+             os.environ.get(jit.SOURCE_DIR_ENV))
+    plain_defines = saved[3].fget
+    cuda_attention.PREFILL_TILE = variant.get("tile", cuda_attention.PREFILL_TILE)
+    cuda_attention.PREFILL_MIN_BLOCKS = variant.get("min_blocks", cuda_attention.PREFILL_MIN_BLOCKS)
+    if "warps" in variant:
+        cuda_attention.PrefillKernel.__init__.__defaults__ = (variant["warps"],)
+    cuda_attention.PrefillKernel.defines = property(lambda k: {**plain_defines(k), **variant.get("defines", {})})
+    if "src" in variant:
+        os.environ[jit.SOURCE_DIR_ENV] = variant["src"]
+    try:
+        return run()
+    finally:
+        (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS,
+         cuda_attention.PrefillKernel.__init__.__defaults__, cuda_attention.PrefillKernel.defines, source) = saved
+        if source is None:
+            os.environ.pop(jit.SOURCE_DIR_ENV, None)
+        else:
+            os.environ[jit.SOURCE_DIR_ENV] = source
+
+
+def main() -> None:
+    variants = json.loads(sys.argv[1])
+    shapes = json.loads(sys.argv[2]) if len(sys.argv) > 2 else [[4, 8192, 8192]]
+    rng = np.random.default_rng(0)
+    cases, results = {}, []
+    for variant in variants:
+        head_size = variant.get("head_size", 128)
+        for kv_dtype in variant.get("dtypes", ["int4_per_token_head"]):
+            for sequences, context, new_tokens in shapes:
+                key = (kv_dtype, sequences, context, new_tokens, head_size)
+                if key not in cases:
+                    cases[key] = make_case(kv_dtype, sequences, context, new_tokens, head_size, rng)
+                record = dict(name=variant["name"], kv_dtype=kv_dtype, shape=[sequences, context, new_tokens],
+                              head_size=head_size)
+                try:
+                    ms, plan = with_variant(variant, lambda: time_case(cases[key]))
+                    record.update(ms=ms, tflop_per_s=cases[key]["flops"] / ms / 1e9, kernel=str(plan.kernel),
+                                  splits=plan.num_splits)
+                except Exception as error:   # one variant failing to build must not stop the others
+                    record.update(error=f"{type(error).__name__}: {error}"[-400:])
+                print(json.dumps(record), flush=True)
+                results.append(record)
+    with open(os.path.join(os.environ.get("OUT", "."), "prefill_variants.json"), "w") as file:
+        json.dump(results, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
