@@ -308,6 +308,55 @@ __device__ __forceinline__ u32 fp8_pair(u32 bytes_in_high_of_halves) {
   return (bytes_in_high_of_halves & 0x80008000u) | ((bytes_in_high_of_halves >> 1) & 0x3F803F80u);
 }
 
+// --- a split's partial state ---------------------------------------------------
+
+// Row `row` (query token q_begin + row / group, query head kv_head x group +
+// row % group) of split `split`: its index in part_stats (2 words each) and
+// part_out (head_size each); split_rows = split x num_tokens.
+__device__ __forceinline__ long long part_index(const Params& p, long long split_rows, int q_begin, int row,
+                                                int kv_head) {
+  return (split_rows + q_begin + row / p.group) * p.num_heads + kv_head * p.group + row % p.group;
+}
+
+// Its running maximum (natural units) and sum, stored by one lane.
+__device__ __forceinline__ void store_part_stats(const Params& p, long long index, float running_max, float sum) {
+  p.part_stats[2 * index] = running_max;
+  p.part_stats[2 * index + 1] = sum;
+}
+
+// --- staging one token's pieces ---------------------------------------------
+
+// Piece `offset` (CHUNK bytes; 4 bytes by plain loads for CHUNK 1, rows whose
+// length is no multiple of 4) of one token's K and V rows of KV head `head`
+// into shared memory; zero-filled for an invalid token or past the row's end.
+template <int CHUNK>
+__device__ __forceinline__ void stage_row_piece(const Params& p, u8* key_dst, u8* value_dst, int block,
+                                                long long slot, int head, int offset, bool valid) {
+  const u8* key_src = p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + head * p.k_head_stride + offset;
+  const u8* value_src =
+      p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + head * p.v_head_stride + offset;
+  if constexpr (CHUNK == 1) {
+    for (int b = 0; b < 4; ++b) {
+      const bool ok = valid && offset + b < p.row_bytes;
+      key_dst[b] = ok ? key_src[b] : u8(0);
+      value_dst[b] = ok ? value_src[b] : u8(0);
+    }
+  } else {
+    const int bytes = valid && offset < p.row_bytes ? CHUNK : 0;
+    cp_async(key_dst, bytes ? key_src : p.key_cache, bytes, CHUNK);
+    cp_async(value_dst, bytes ? value_src : p.value_cache, bytes, CHUNK);
+  }
+}
+
+// One token's K and V scale words of KV head `head`; zero for an invalid token.
+__device__ __forceinline__ void stage_scale_words(const Params& p, u8* key_dst, u8* value_dst, int block,
+                                                  long long slot, int head, bool valid) {
+  const u8* key_src = p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride + head * p.ks_head_stride;
+  const u8* value_src = p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride + head * p.vs_head_stride;
+  cp_async(key_dst, valid ? key_src : p.k_scales, valid ? 4 : 0, 4);
+  cp_async(value_dst, valid ? value_src : p.v_scales, valid ? 4 : 0, 4);
+}
+
 }  // namespace kvc_attn
 
 namespace kvc_attn {
@@ -408,24 +457,9 @@ struct Attention {
       const bool valid_token = block >= 0 && position >= lo && position < hi;
       const long long slot = position & (p.block_size - 1);
       const int offset = piece * (CHUNK == 1 ? 4 : CHUNK);
-      u8* key_dst = keys + token * T::kKeyStride + head * T::kRowBytes + offset;
-      u8* value_dst = values + token * T::kValueStride + head * T::kRowBytes + offset;
-      const u8* key_src = p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride +
-                          (head0 + head) * p.k_head_stride + offset;
-      const u8* value_src = p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride +
-                            (head0 + head) * p.v_head_stride + offset;
-      if constexpr (CHUNK == 1) {
-        // Rows whose length is no multiple of 4 bytes: plain byte loads.
-        for (int b = 0; b < 4; ++b) {
-          const bool ok = valid_token && offset + b < p.row_bytes;
-          key_dst[b] = ok ? key_src[b] : u8(0);
-          value_dst[b] = ok ? value_src[b] : u8(0);
-        }
-      } else {
-        const int bytes = valid_token && offset < p.row_bytes ? CHUNK : 0;
-        cp_async(key_dst, bytes ? key_src : p.key_cache, bytes, CHUNK);
-        cp_async(value_dst, bytes ? value_src : p.value_cache, bytes, CHUNK);
-      }
+      stage_row_piece<CHUNK>(p, keys + token * T::kKeyStride + head * T::kRowBytes + offset,
+                             values + token * T::kValueStride + head * T::kRowBytes + offset, block, slot,
+                             head0 + head, offset, valid_token);
     }
     if constexpr (kQuantized) {
 #pragma unroll 1
@@ -437,12 +471,7 @@ struct Attention {
         if (c >= TILE * HEADS) continue;
         const bool valid_token = block >= 0 && position >= lo && position < hi;
         const long long slot = position & (p.block_size - 1);
-        const u8* key_src = p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride +
-                            (head0 + head) * p.ks_head_stride;
-        const u8* value_src = p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride +
-                              (head0 + head) * p.vs_head_stride;
-        cp_async(key_scales + 4 * c, valid_token ? key_src : p.k_scales, valid_token ? 4 : 0, 4);
-        cp_async(value_scales + 4 * c, valid_token ? value_src : p.v_scales, valid_token ? 4 : 0, 4);
+        stage_scale_words(p, key_scales + 4 * c, value_scales + 4 * c, block, slot, head0 + head, valid_token);
       }
     }
   }
@@ -1034,11 +1063,8 @@ struct Attention {
         offsets[r] = with_low ? column0 + column1 : j ? column1 : column0;
       }
       if (!row_valid[quad]) continue;
-      const long long index = (split_rows + q_begin + row / p.group) * p.num_heads + kv_head * p.group + row % p.group;
-      if (g == 0) {
-        p.part_stats[2 * index] = running_max[quad];
-        p.part_stats[2 * index + 1] = sum;
-      }
+      const long long index = part_index(p, split_rows, q_begin, row, kv_head);
+      if (g == 0) store_part_stats(p, index, running_max[quad], sum);
       float* destination = p.part_out + index * p.head_size;
 #pragma unroll
       for (int md = 0; md < MD; ++md) {

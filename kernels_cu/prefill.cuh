@@ -119,22 +119,8 @@ struct Prefill {
       const bool valid = block >= 0 && position >= lo && position < hi;
       const long long slot = position & (p.block_size - 1);
       const int offset = piece * kPieceBytes;
-      u8* key_dst = keys + token * kRawStride + offset;
-      u8* value_dst = values + token * kRawStride + offset;
-      const u8* key_src = p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + head * p.k_head_stride + offset;
-      const u8* value_src =
-          p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + head * p.v_head_stride + offset;
-      if constexpr (CHUNK == 1) {
-        for (int b = 0; b < 4; ++b) {
-          const bool ok = valid && offset + b < p.row_bytes;
-          key_dst[b] = ok ? key_src[b] : u8(0);
-          value_dst[b] = ok ? value_src[b] : u8(0);
-        }
-      } else {
-        const int bytes = valid && offset < p.row_bytes ? CHUNK : 0;
-        cp_async(key_dst, bytes ? key_src : p.key_cache, bytes, CHUNK);
-        cp_async(value_dst, bytes ? value_src : p.value_cache, bytes, CHUNK);
-      }
+      stage_row_piece<CHUNK>(p, keys + token * kRawStride + offset, values + token * kRawStride + offset, block, slot,
+                             head, offset, valid);
     }
     if constexpr (kQuantized) {
       u8* key_scales = values + kRawTensorBytes;
@@ -147,11 +133,7 @@ struct Prefill {
         if (token >= TILE) continue;
         const bool valid = block >= 0 && position >= lo && position < hi;
         const long long slot = position & (p.block_size - 1);
-        const u8* key_src = p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride + head * p.ks_head_stride;
-        const u8* value_src =
-            p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride + head * p.vs_head_stride;
-        cp_async(key_scales + 4 * token, valid ? key_src : p.k_scales, valid ? 4 : 0, 4);
-        cp_async(value_scales + 4 * token, valid ? value_src : p.v_scales, valid ? 4 : 0, 4);
+        stage_scale_words(p, key_scales + 4 * token, value_scales + 4 * token, block, slot, head, valid);
       }
     }
   }
@@ -561,12 +543,8 @@ struct Prefill {
       const float sum = sum_over_quad(running_sum[r]);
       if (!row_valid[r]) continue;
       const int row = row_begin + g + 8 * r;
-      const long long index =
-          (split_rows + q_begin + row / p.group) * p.num_heads + kv_head * p.group + row % p.group;
-      if (t == 0) {
-        p.part_stats[2 * index] = running_max[r] * row_unscale[r];   // natural units (2^-k: exact)
-        p.part_stats[2 * index + 1] = sum;
-      }
+      const long long index = part_index(p, split_rows, q_begin, row, kv_head);
+      if (t == 0) store_part_stats(p, index, running_max[r] * row_unscale[r], sum);   // 2^-k: exact
       float* destination = p.part_out + index * p.head_size;
 #pragma unroll
       for (int n = 0; n < ND; ++n) {

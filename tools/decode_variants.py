@@ -34,6 +34,7 @@ import numpy as np
 import kvcupy as kc
 from kvcupy import jit
 from kvcupy.backends import cuda_attention
+from gpu_timing import median_call_ms   # tools/, beside this script
 
 DEFAULT_SHAPE = dict(batch=32, context=32768, head_size=128, kv_heads=8, query_heads=32, block_size=16)
 
@@ -101,19 +102,9 @@ def time_case(case: dict, shape: dict) -> tuple[float, object]:
     def call():
         kc.paged_attention(case["query"], case["cache"], batch=batch, out=out)
 
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(15):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(10):
-            call()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / 10)
+    ms = median_call_ms(call, rounds=15, calls_per_round=10)
     (plan,) = batch._backend_plans.values()
-    return float(np.median(times)), plan
+    return ms, plan
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ import numpy as np
 import kvcupy as kc
 from kvcupy import jit
 from kvcupy.backends import cuda_attention
+from gpu_timing import median_call_ms   # tools/, beside this script
 
 QUERY_HEADS, KV_HEADS, BLOCK_SIZE = 32, 8, 16
 
@@ -67,19 +68,9 @@ def time_case(case: dict) -> tuple[float, object]:
     def call():
         kc.paged_attention(case["query"], case["cache"], batch=batch, out=out)
 
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(7):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        call()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 2)
+    ms = median_call_ms(call, rounds=7, calls_per_round=2)
     (plan,) = batch._backend_plans.values()
-    return float(np.median(times)), plan
+    return ms, plan
 
 
 def with_variant(variant: dict, run):

@@ -7,12 +7,16 @@ merge kernel combines the splits (and the sinks), and the inverse rotation
 writes `out` (for caches without rotation the merge writes `out` itself).
 
 The plan (made once per BatchPlan and reused by every layer) fixes what the
-kernel is specialised on and how the work is cut: warps per block (one per
-KV head, up to 8, so that a block reads whole cache rows), query rows per
-warp, tokens per pipeline stage, and the split of each sequence's keys
-across blocks (split-KV), chosen from the batch's shape and the GPU's
-multiprocessor count. It also holds the device copies of the work list and
-the workspace, so a layer's call allocates nothing.
+kernel is specialised on and how the work is cut. Decode and short query
+runs take attention.cuh's kernel: warps per block (one per KV head, up to 8,
+so that a block reads whole cache rows), query rows per warp, tokens per
+pipeline stage. Prefill (a sequence bringing at least PREFILL_MIN_ROWS query
+rows per KV head, head sizes up to PREFILL_MAX_HEAD_PAD) takes prefill.cuh's:
+128 query rows of one KV head a block, each tile decoded once into shared
+memory. Either way the plan splits each sequence's keys across blocks
+(split-KV) from the batch's shape and the GPU's multiprocessor count, and
+holds the device copies of the work list and the workspace, so a layer's
+call allocates nothing.
 """
 
 from __future__ import annotations
