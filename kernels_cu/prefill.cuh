@@ -59,9 +59,10 @@ struct Prefill {
   static constexpr float kLog2e = 1.4426950408889634f;
   static constexpr int kDimBits = KV == KV_INT4 ? 4 : kQuantized ? 8 : 16;
   static constexpr int kRowBytes = HEAD_PAD * kDimBits / 8;   // a staged row (one KV head)
-  // Staged rows: quantized ones are read by the decoding pass a 16-byte vector
-  // per thread, consecutive threads consecutive vectors (no padding needed);
-  // fp16 rows go straight to ldmatrix and take the padding of decoded rows.
+  // Staged rows: quantized ones are only read by the decoding pass (a run of
+  // consecutive words of one row a thread; unpadded, so those 16-byte reads
+  // conflict 2-way when a run is half a row); fp16 rows go straight to
+  // ldmatrix and take the padding of decoded rows.
   // A decoded row: HEAD_PAD fp16 values + 16 bytes, so the 8 rows of an
   // ldmatrix fall in distinct banks (the stride is 16 or 80 modulo 128).
   static constexpr int kDecodedStride = 2 * HEAD_PAD + 16;
