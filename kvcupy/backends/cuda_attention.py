@@ -50,10 +50,14 @@ LONG_SPLIT_TOKENS = 2048
 # PREFILL_MAX_HEAD_PAD (above, its register-held accumulators would spill).
 PREFILL_MIN_ROWS = 64
 PREFILL_MAX_HEAD_PAD = 128
-PREFILL_WARPS = 8           # 128 query rows a block: each tile decoded once for all of them
+# 128 query rows a block, each tile decoded once for all of them. Against 4 warps
+# (2 blocks a multiprocessor) and against 32-token tiles, 4 x 8192 causal, d = 128,
+# TFLOP/s (H200, tools/prefill_variants.py, one run, an earlier step of this kernel):
+# int8 118 vs 72 and 108; int4 128 vs 133 and 105.
+PREFILL_WARPS = 8
 PREFILL_TILE = 64
-PREFILL_STAGES = 3          # quantized caches (a decoded tile besides the raw stages)
-PREFILL_AUTO_STAGES = 2     # fp16 / bf16 rows: 2 stages keep two blocks a multiprocessor
+PREFILL_STAGES = 3          # raw stages of quantized caches (besides two decoded tiles)
+PREFILL_AUTO_STAGES = 2     # fp16 / bf16 rows, 4x the bytes of int4 ones, read in place
 PREFILL_MIN_BLOCKS = 1      # 8 warps a multiprocessor: no spills (`kvcupy check --all`)
 
 
