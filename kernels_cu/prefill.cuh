@@ -81,7 +81,8 @@ struct Prefill {
   // fp8 codes enter the products as e4m3 x 2^-8: the scales carry the 2^8.
   static constexpr float kCodeUnit = KV == KV_FP8 ? 256.f : 1.f;
 
-  typedef Attention<KV, HEAD_PAD, 1, 1, 16, STAGES, CHUNK> Pages;   // the page window helpers
+  // The decode kernel's helpers this one shares: the page window, pack / unpack.
+  typedef Attention<KV, HEAD_PAD, 1, 1, 16, STAGES, CHUNK> Pages;
 
   // The cache channel of logical dim `logical` of the products. int4 decoding
   // turns a word's nibbles (channels 0..7) into fp16 pairs (0, 4), (1, 5),
@@ -94,11 +95,8 @@ struct Prefill {
     return logical;
   }
 
-  static __device__ __forceinline__ u32 pack(float lo, float hi) {
-    return kBf16 ? pack_bf162(lo, hi) : pack_half2(lo, hi);
-  }
-
-  static __device__ __forceinline__ float2 unpack(u32 x) { return kBf16 ? unpack_bf162(x) : unpack_half2(x); }
+  static __device__ __forceinline__ u32 pack(float lo, float hi) { return Pages::pack(lo, hi); }
+  static __device__ __forceinline__ float2 unpack(u32 x) { return Pages::unpack(x); }
 
   // Stage `stage` <- raw K / V rows (and scale words) of tokens base .. base + TILE - 1
   // in [lo, hi) of KV head `head`; other tokens, and ids outside the cache, zero-filled.

@@ -190,6 +190,11 @@ def kv_code(cache) -> int:
                      f"stores {storage}")
 
 
+def _stored_row_bytes(cache, kv: int) -> int:
+    """Bytes of one KV head's row of the cache as stored (the unpadded head size)."""
+    return cache.head_size * (4 if kv == KV_INT4 else 8 if kv in (KV_INT8, KV_FP8) else 16) // 8
+
+
 def _copy_granule(cache, row_bytes: int) -> int:
     """Largest cp.async size dividing the row, every byte stride and the base addresses."""
     data = (cache.key_cache, cache.value_cache)
@@ -221,7 +226,7 @@ def _bulk_copies_fit(cache, kv: int, heads: int, stored_row: int, head_pad: int,
 def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int) -> Kernel:
     head_pad = -(-cache.head_size // HEAD_CLASS) * HEAD_CLASS
     quads = 1 if rows_per_sequence <= 4 else 2 if rows_per_sequence <= 8 or head_pad > MAX_HEAD_PAD_FOUR_QUADS else 4
-    stored_row = cache.head_size * (4 if kv == KV_INT4 else 8 if kv in (KV_INT8, KV_FP8) else 16) // 8
+    stored_row = _stored_row_bytes(cache, kv)
     num_kv_heads = cache.num_kv_heads
     best = None
     for heads in (8, 4, 2, 1):
@@ -286,7 +291,7 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
     max_rows = group * (int(query_lens.max(initial=1)) if query_lens is not None else num_query_tokens)
     kernel = _choose_kernel(cache, kv, max_rows, _compute_capability(device))
     if max_rows >= PREFILL_MIN_ROWS and kernel.head_pad <= PREFILL_MAX_HEAD_PAD:
-        stored_row = cache.head_size * (4 if kv == KV_INT4 else 8 if kv in (KV_INT8, KV_FP8) else 16) // 8
+        stored_row = _stored_row_bytes(cache, kv)
         kernel = PrefillKernel(kv, kernel.head_pad, PREFILL_TILE, _copy_granule(cache, stored_row))
     rows_per_tile = kernel.rows_per_tile
     if query_lens is not None:
