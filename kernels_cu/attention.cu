@@ -15,7 +15,10 @@ using namespace kvc_attn;
       const long long *strides, const int *block_table, const int *seq_lens, const int *cu_seqlens_q,       \
       const int *tiles, float *part_out, float *part_stats, int num_tokens, int num_heads, int group,       \
       int head_size, int row_bytes, int block_size, int block_shift, int num_blocks, int table_width,        \
-      int split_tokens, int window, float softcap, float code_unit
+      int split_tokens, int window, float softcap, float code_unit, const void *query_in,                  \
+      long long q_token_stride, long long q_head_stride, int query_dtype, const uint2 *rotation_fwd,        \
+      const uint2 *rotation_inv, int rotation_block, float query_factor, float out_factor, void *out,       \
+      long long out_token_stride, long long out_head_stride, int out_dtype, const float *sinks, int direct
 
 namespace {
 
@@ -62,13 +65,30 @@ __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
   p.window = window;
   p.softcap = softcap;
   p.code_unit = code_unit;
+  p.query_in = query_in;
+  p.q_token_stride = q_token_stride;
+  p.q_head_stride = q_head_stride;
+  p.query_dtype = query_dtype;
+  p.rotation_fwd = rotation_fwd;
+  p.rotation_inv = rotation_inv;
+  p.rotation_block = rotation_block;
+  p.query_factor = query_factor;
+  p.out_factor = out_factor;
+  p.out = out;
+  p.out_token_stride = out_token_stride;
+  p.out_head_stride = out_head_stride;
+  p.out_dtype = out_dtype;
+  p.sinks = sinks;
+  p.direct = direct;
   return p;
 }
 
 #define KVC_ATTENTION_PARAMS                                                                                  \
   make_params(query, key_cache, value_cache, k_scales, v_scales, strides, block_table, seq_lens, cu_seqlens_q, \
               tiles, part_out, part_stats, num_tokens, num_heads, group, head_size, row_bytes, block_size,     \
-              block_shift, num_blocks, table_width, split_tokens, window, softcap, code_unit)
+              block_shift, num_blocks, table_width, split_tokens, window, softcap, code_unit, query_in,        \
+              q_token_stride, q_head_stride, query_dtype, rotation_fwd, rotation_inv, rotation_block,          \
+              query_factor, out_factor, out, out_token_stride, out_head_stride, out_dtype, sinks, direct)
 
 }  // namespace
 

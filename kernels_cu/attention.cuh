@@ -144,7 +144,26 @@ struct Params {
   int window;                // sliding window, 0: none
   float softcap;             // 0: none
   float code_unit;           // fp8: 2^8, since codes enter as e4m3 * 2^-8; else 1
+  // The prefill kernel's own input and output (prefill.cuh): it rotates the
+  // query and, with one split, the output itself. The decode kernel reads
+  // `query` and writes the split buffers only.
+  const void* query_in;      // [T, Hq, d] as the caller gave it (query_dtype), unrotated
+  long long q_token_stride, q_head_stride;         // elements
+  int query_dtype;           // kDtypeF32, kDtypeF16, kDtypeBf16
+  const uint2* rotation_fwd; // mma B fragments of the rotation (cuda_attention.rotation_fragments)
+  const uint2* rotation_inv; // ... and of its inverse
+  int rotation_block;        // width of one independent transform; 0: no rotation
+  float query_factor;        // 1 / query_divisor: softmax scale / norm
+  float out_factor;          // 1 / norm
+  void* out;                 // [T, Hq, d] (out_dtype), written directly when `direct`
+  long long out_token_stride, out_head_stride;     // elements
+  int out_dtype;
+  const float* sinks;        // [Hq] or null
+  int direct;                // one split: normalise, rotate back and write `out` here
 };
+
+// Dtype codes of query_in and out (cuda_attention.DTYPE_CODES).
+constexpr int kDtypeF32 = 0, kDtypeF16 = 1, kDtypeBf16 = 2;
 
 // --- small helpers ---------------------------------------------------------
 

@@ -272,6 +272,205 @@ struct Prefill {
     }
   }
 
+  // Two consecutive elements of the caller's query (a pair never straddles a
+  // row: head sizes are even; the host aligns rows to a pair).
+  static __device__ __forceinline__ float2 query_pair(const Params& p, long long element) {
+    if (p.query_dtype == kDtypeF32) return *reinterpret_cast<const float2*>(static_cast<const float*>(p.query_in) + element);
+    const u32 bits = *reinterpret_cast<const u32*>(static_cast<const u16*>(p.query_in) + element);
+    return p.query_dtype == kDtypeF16 ? unpack_half2(bits) : unpack_bf162(bits);
+  }
+
+  static __device__ __forceinline__ float query_element(const Params& p, long long element) {
+    if (p.query_dtype == kDtypeF32) return static_cast<const float*>(p.query_in)[element];
+    const u32 bits = static_cast<const u16*>(p.query_in)[element];
+    return p.query_dtype == kDtypeF16 ? unpack_half2(bits).x : unpack_bf162(bits).x;
+  }
+
+  // Whether the (k step, n tile) fragment of a rotation matrix can hold a
+  // nonzero: the 16 rows and the 8 columns lie in one independent block of
+  // width `block` (>= 16, or the fragments cross blocks and all are kept).
+  // Skipping the others saves products and keeps a non-finite value inside its block.
+  static __device__ __forceinline__ bool fragment_used(int block, int ks, int nt) {
+    return block < 16 || (16 * ks) / block == (8 * nt) / block;
+  }
+
+  // A operands (16 rows x HEAD_PAD, the rows' values `x` in C-fragment order:
+  // x[n][i] = row g + 8 (i / 2), dim 8 n + 2t + i % 2) times the power of two
+  // `up[r]` that brings each row's largest |x| near 2^14, split into fp16
+  // high and low parts (~22 bits).
+  static __device__ __forceinline__ void split_rows(const float (&x)[ND][4], const float (&up)[2],
+                                                    u32 (&high)[KC][4], u32 (&low)[KC][4]) {
+#pragma unroll
+    for (int ks = 0; ks < KC; ++ks) {
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        // a0: row g, dims 16 ks + 2t..; a1: row g + 8; a2, a3: the same rows, dims + 8.
+        const float* pair = &x[2 * ks + (a >> 1)][2 * (a & 1)];
+        const float v0 = pair[0] * up[a & 1], v1 = pair[1] * up[a & 1];
+        high[ks][a] = pack_half2(v0, v1);
+        const float2 rounded = unpack_half2(high[ks][a]);
+        low[ks][a] = pack_half2(v0 - rounded.x, v1 - rounded.y);
+      }
+    }
+  }
+
+  // The power of two that brings |x| <= m near 2^14 (fp16's range, exact to apply).
+  static __device__ __forceinline__ float fp16_range_scale(float m) {
+    int exponent = 0;
+    frexpf(m, &exponent);
+    return m > 0.f && isfinite(m) ? ldexpf(1.f, 14 - exponent) : 1.f;
+  }
+
+  // values[kc][h][r][j]: the query row g + 8 r of this warp, logical dim
+  // 16 kc + 8 h + 2t + j, rotated into the cache's channel order and scaled
+  // (softmax scale / norm), from the caller's query. A rotation is a product
+  // with the host's matrix fragments (entries 0 and +-1, exact in fp16; the
+  // query split into fp16 high and low parts, accumulated in fp32); without
+  // one, the channels are read in place.
+  static __device__ __forceinline__ void load_query(const Params& p, int q_begin, int row_begin, int kv_head,
+                                                    const bool (&row_valid)[2], float (&values)[KC][2][2][2]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    long long row_start[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_begin + g + 8 * r;
+      row_start[r] = row_valid[r] ? (q_begin + row / p.group) * p.q_token_stride +
+                                        static_cast<long long>(kv_head * p.group + row % p.group) * p.q_head_stride
+                                  : 0;
+    }
+    if (p.rotation_block == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const int channel = channel_of(16 * kc + 8 * h + 2 * t + j);
+              values[kc][h][r][j] =
+                  row_valid[r] && channel < p.head_size ? query_element(p, row_start[r] + channel) * p.query_factor : 0.f;
+            }
+      return;
+    }
+    float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), channel 8 n + 2t + i % 2
+    float largest[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int channel = 8 * n + 2 * t;
+        const float2 v = row_valid[r] && channel < p.head_size ? query_pair(p, row_start[r] + channel)
+                                                               : make_float2(0.f, 0.f);
+        raw[n][2 * r] = v.x, raw[n][2 * r + 1] = v.y;
+        largest[r] = fmaxf(largest[r], fmaxf(fabsf(v.x), fabsf(v.y)));
+      }
+    }
+    const float up[2] = {fp16_range_scale(max_over_quad(largest[0])), fp16_range_scale(max_over_quad(largest[1]))};
+    u32 high[KC][4], low[KC][4];
+    split_rows(raw, up, high, low);
+    // fp16 and bf16 queries are exact in the high part (row scaling included).
+    const bool with_low = p.query_dtype == kDtypeF32;
+    const float factor[2] = {p.query_factor / up[0], p.query_factor / up[1]};
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int ks = 0; ks < KC; ++ks) {
+        if (!fragment_used(p.rotation_block, ks, n)) continue;
+        const uint2 b = __ldg(p.rotation_fwd + (ks * ND + n) * 32 + lane);
+        mma<false>(acc, high[ks], b.x, b.y);
+        if (with_low) mma<false>(acc, low[ks], b.x, b.y);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = acc[i] * factor[i >> 1];
+    }
+  }
+
+  // One split saw every key (`direct`): the merge's arithmetic for a single
+  // split (merge_splits: the sink joins the denominator), the inverse rotation
+  // (the host's fragments, the rows split into fp16 high and low parts), and
+  // the rows written to `out` in its dtype.
+  static __device__ __forceinline__ void write_output(const Params& p, float (&out)[ND][4], const float (&running_max)[2],
+                                                      const float (&running_sum)[2], float reference,
+                                                      const float (&row_unscale)[2], int q_begin, int row_begin,
+                                                      int kv_head, const bool (&row_valid)[2]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    long long row_start[2];
+    float largest[2] = {0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_begin + g + 8 * r;
+      const int head = kv_head * p.group + row % p.group;
+      row_start[r] = row_valid[r] ? (q_begin + row / p.group) * p.out_token_stride +
+                                        static_cast<long long>(head) * p.out_head_stride
+                                  : 0;
+      const float sum = sum_over_quad(running_sum[r]);
+      const float m = running_max[r] * row_unscale[r];
+      const float sink = p.sinks != nullptr && row_valid[r] ? p.sinks[head] : -KVC_INFINITY;
+      const float peak = fmaxf(m, sink);
+      const float shift = peak == -KVC_INFINITY ? 0.f : peak;
+      const float weight = expf(m - shift);
+      const float total = sum * weight + (p.sinks != nullptr ? expf(sink - shift) : 0.f);
+      // A row that saw nothing (weight 0) adds nothing, whatever its accumulators hold.
+      const float factor = reference * weight / total;
+#pragma unroll
+      for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float& o = out[n][2 * r + j];
+          o = weight != 0.f ? o * factor : 0.f / total;
+          largest[r] = fmaxf(largest[r], fabsf(o));
+        }
+    }
+    if (p.rotation_block == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (!row_valid[r]) continue;
+#pragma unroll
+        for (int n = 0; n < ND; ++n)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int channel = channel_of(8 * n + 2 * t + j);
+            if (channel < p.head_size) store_output(p, row_start[r] + channel, out[n][2 * r + j]);
+          }
+      }
+      return;
+    }
+    const float up[2] = {fp16_range_scale(max_over_quad(largest[0])), fp16_range_scale(max_over_quad(largest[1]))};
+    u32 high[KC][4], low[KC][4];
+    split_rows(out, up, high, low);
+    const float factor[2] = {p.out_factor / up[0], p.out_factor / up[1]};
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int ks = 0; ks < KC; ++ks) {
+        if (!fragment_used(p.rotation_block, ks, n)) continue;
+        const uint2 b = __ldg(p.rotation_inv + (ks * ND + n) * 32 + lane);
+        mma<false>(acc, high[ks], b.x, b.y);
+        mma<false>(acc, low[ks], b.x, b.y);
+      }
+      const int channel = 8 * n + 2 * t;
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        if (row_valid[r] && channel < p.head_size)
+          store_output_pair(p, row_start[r] + channel, acc[2 * r] * factor[r], acc[2 * r + 1] * factor[r]);
+    }
+  }
+
+  static __device__ __forceinline__ void store_output(const Params& p, long long element, float v) {
+    if (p.out_dtype == kDtypeF32) static_cast<float*>(p.out)[element] = v;
+    else if (p.out_dtype == kDtypeF16) static_cast<kvc::half*>(p.out)[element] = kvc::from_float<kvc::half>(v);
+    else static_cast<kvc::bfloat16*>(p.out)[element] = kvc::from_float<kvc::bfloat16>(v);
+  }
+
+  static __device__ __forceinline__ void store_output_pair(const Params& p, long long element, float v0, float v1) {
+    if (p.out_dtype == kDtypeF32) *reinterpret_cast<float2*>(static_cast<float*>(p.out) + element) = make_float2(v0, v1);
+    else if (p.out_dtype == kDtypeF16) *reinterpret_cast<u32*>(static_cast<u16*>(p.out) + element) = pack_half2(v0, v1);
+    else *reinterpret_cast<u32*>(static_cast<u16*>(p.out) + element) = pack_bf162(v0, v1);
+  }
+
   static __device__ void run(const Params& p, int block_shift) {
     extern __shared__ __align__(16) u8 smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -314,6 +513,25 @@ struct Prefill {
       max_position = max(max_position, __shfl_xor_sync(0xffffffffu, max_position, offset));
     }
 
+    // The first tiles' copies go out before the query is read: the two
+    // latencies overlap (a short prompt's block sees only a tile or two).
+    const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
+    // Plain caches: raw stages STAGES - 1 tiles ahead, the products read the
+    // stage. Quantized caches: raw stages STAGES tiles ahead, and tile + 1 is
+    // decoded into the other decoded buffer while tile's products run, so one
+    // barrier a tile orders everything: after it, every thread is done with
+    // tile - 1's products (the buffer decoded next) and with decoding tile
+    // (whose raw stage is refilled next), and tile + 1's copies have landed.
+    constexpr int kAhead = kQuantized ? STAGES : STAGES - 1;
+    typename Pages::PageWindow window = Pages::first_window(p, table, key_lo, key_hi, block_shift);
+#pragma unroll
+    for (int s = 0; s < kAhead; ++s) {
+      if (s < num_tiles) {
+        Pages::slide_window(window, p, table, (key_lo + s * TILE) >> block_shift, key_lo, key_hi, block_shift);
+        stage_tile(p, smem, s, kv_head, key_lo + s * TILE, key_lo, key_hi, block_shift, window);
+      }
+      cp_async_commit();
+    }
     // The query rows as the score product's A operand, high and low fp16 halves
     // in this warp's part of shared memory ([part][row][logical dim], rows
     // padded like decoded ones), read back with ldmatrix once per tile: held in
@@ -325,32 +543,19 @@ struct Prefill {
     float row_unscale[2];
     {
       float values[KC][2][2][2];   // [kc][h][r][j]
+      load_query(p, q_begin, row_begin, kv_head, row_valid, values);
       float largest[2] = {0.f, 0.f};
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = row_begin + g + 8 * r;
-        const float* q = p.query + (static_cast<long long>(q_begin + row / p.group) * p.num_heads +
-                                    kv_head * p.group + row % p.group) * p.head_size;
+      for (int kc = 0; kc < KC; ++kc)
 #pragma unroll
-        for (int kc = 0; kc < KC; ++kc) {
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
+          for (int r = 0; r < 2; ++r)
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const int channel = channel_of(16 * kc + 8 * h + 2 * t + j);
-              const float v = row_valid[r] && channel < p.head_size ? q[channel] : 0.f;
-              values[kc][h][r][j] = v;
-              largest[r] = fmaxf(largest[r], fabsf(v));
-            }
-          }
-        }
-      }
+            for (int j = 0; j < 2; ++j) largest[r] = fmaxf(largest[r], fabsf(values[kc][h][r][j]));
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float m = max_over_quad(largest[r]);
-        int exponent = 0;
-        frexpf(m, &exponent);
-        const float up = m > 0.f && isfinite(m) ? ldexpf(1.f, 14 - exponent) : 1.f;
+        const float up = fp16_range_scale(max_over_quad(largest[r]));
         row_unscale[r] = 1.f / up;
 #pragma unroll
         for (int kc = 0; kc < KC; ++kc) {
@@ -379,23 +584,6 @@ struct Prefill {
     float running_max[2] = {-KVC_INFINITY, -KVC_INFINITY}, running_sum[2] = {0.f, 0.f};
     float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
-    const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
-    // Plain caches: raw stages STAGES - 1 tiles ahead, the products read the
-    // stage. Quantized caches: raw stages STAGES tiles ahead, and tile + 1 is
-    // decoded into the other decoded buffer while tile's products run, so one
-    // barrier a tile orders everything: after it, every thread is done with
-    // tile - 1's products (the buffer decoded next) and with decoding tile
-    // (whose raw stage is refilled next), and tile + 1's copies have landed.
-    constexpr int kAhead = kQuantized ? STAGES : STAGES - 1;
-    typename Pages::PageWindow window = Pages::first_window(p, table, key_lo, key_hi, block_shift);
-#pragma unroll
-    for (int s = 0; s < kAhead; ++s) {
-      if (s < num_tiles) {
-        Pages::slide_window(window, p, table, (key_lo + s * TILE) >> block_shift, key_lo, key_hi, block_shift);
-        stage_tile(p, smem, s, kv_head, key_lo + s * TILE, key_lo, key_hi, block_shift, window);
-      }
-      cp_async_commit();
-    }
     u8* const decoded = smem + STAGES * kStageBytes;
     if (kQuantized && num_tiles > 0) {
       cp_async_wait<STAGES - 1>();
@@ -535,6 +723,10 @@ struct Prefill {
     }
     cp_async_wait<0>();
 
+    if (p.direct) {
+      write_output(p, out, running_max, running_sum, reference, row_unscale, q_begin, row_begin, kv_head, row_valid);
+      return;
+    }
     // Partial state of this split: max and sum per row, the accumulators times R.
     const long long split_rows = static_cast<long long>(split) * p.num_tokens;
 #pragma unroll

@@ -11,7 +11,11 @@ enter the P.V product rounded to fp16 (relative error at most 2^-11 each),
 while the denominator sums them in fp32: the output is off by at most 2^-11
 ~ 4.9e-4 relative, plus fp32 accumulation (~1e-6) and the rounding of the
 output to its dtype (half an ulp: 2^-11 fp16, 2^-8 bf16 per element, about
-a third of that in norm). ATTENTION_BOUND = 2e-3 leaves room for the sum of
+a third of that in norm). The prefill kernel rotates the query (and, with
+one split, the output) itself, as mma products with the rotation's 0 / +-1
+entries: the operands split into fp16 high and low parts (2^-21 relative), at
+most 256 products summed in fp32 (below 256 x 2^-24 = 2^-16 ~ 1.5e-5 of the
+row's magnitudes). ATTENTION_BOUND = 2e-3 leaves room for the sum of
 these over long contexts, and is well under a wrong scale, zero-point or mask
 (errors of order 1e-2 and up). Checked over the whole output and per channel.
 """
@@ -357,3 +361,48 @@ def test_auto_cache_allocated_on_the_gpu(model_dtype):
     out = from_device(kc.paged_attention(cupy.asarray(query), device, **args), np.float32)
     check(f"auto {model_dtype} allocated on the GPU", out, reference.paged_attention(query, host, **args),
           np.float32)
+
+
+@pytest.mark.parametrize("shape", ["prompts", "chunk"])
+@pytest.mark.parametrize("query_dtype", (np.float16, "bfloat16", np.float32))
+@pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "int8_per_token_head", "auto"])
+@pytest.mark.parametrize("rotation,head_size", [("blockdiag", 128), ("blockdiag", 96), ("kron", 80),
+                                                ("none", 64), ("blockdiag", 40)])
+def test_prefill_rotates_its_query_and_output(rotation, head_size, kv_dtype, query_dtype, shape):
+    """prefill.cuh takes the caller's query and rotates it itself (an mma with the
+    rotation's fragments); with one split ("prompts") it also normalises, adds
+    the sinks, rotates back and writes `out` itself, unless the rotation's blocks
+    are narrower than a fragment (d = 40: blocks of 8), which take the merge and
+    the rotate kernel like several splits ("chunk") do. Sinks throughout."""
+    query_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if query_dtype == "bfloat16" else np.dtype(query_dtype)
+    seq_lens, query_lens = ((300, 77), (300, 77)) if shape == "prompts" else ((4000, 600), (256, 64))
+    rng = np.random.default_rng(head_size)
+    batch = paged_batch(rng, list(seq_lens), list(query_lens), 16)
+    cache = host_cache(rng, batch, kv_dtype, head_size, 2, 16, np.float16, rotation)
+    query = (rng.standard_normal((batch.num_queries, 8, head_size)) * 2).astype(query_dtype)
+    sinks = rng.standard_normal(8).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    expected = reference.paged_attention(query, cache, **args, sinks=sinks)
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    out = from_device(kc.paged_attention(device_query(query), device_view(cache), batch=planned,
+                                         sinks=cupy.asarray(sinks)), query_dtype)
+    (plan,) = planned._backend_plans.values()
+    assert isinstance(plan.kernel, PrefillKernel)
+    assert (plan.num_splits == 1) == (shape == "prompts"), plan.num_splits
+    check(f"prefill {rotation} d={head_size} {kv_dtype} q={query_dtype} {shape}", out, expected, query_dtype)
+
+
+@pytest.mark.parametrize("query_lens", [(1, 1), (150, 40)], ids=["decode", "prefill"])
+def test_strided_out(query_lens):
+    """An `out` that is a strided view gets every row (through a contiguous copy)."""
+    rng = np.random.default_rng(11)
+    batch = paged_batch(rng, [200, 40], list(query_lens), 16)
+    cache = host_cache(rng, batch, "int4_per_token_head", 64, 2, 16, np.float16, "default")
+    query = rng.standard_normal((batch.num_queries, 8, 64)).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    expected = reference.paged_attention(query, cache, **args)
+    backing = cupy.full((batch.num_queries, 8, 65), np.nan, cupy.float32)
+    out = backing[..., :64]
+    kc.paged_attention(cupy.asarray(query), device_view(cache), **args, out=out)
+    check(f"strided out {query_lens}", cupy.asnumpy(out).astype(np.float64), expected, np.float32)
+    assert np.isnan(cupy.asnumpy(backing[..., 64])).all()   # nothing written past the view

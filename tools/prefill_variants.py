@@ -8,11 +8,12 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
   "tile", "warps", "min_blocks": the prefill kernel's tokens a tile, warps a block and
                 __launch_bounds__ minimum blocks, forced (cuda_attention.PREFILL_*)
   "defines":    extra -D defines
+  "rotation":   the caches' rotation kind (default "none"; the bench's caches use "blockdiag")
 SHAPES is a JSON list of [sequences, context, new tokens] (default [[4, 8192, 8192]]:
 the prefill target's causal prompt; [4, 32768, 2048] is its chunked prefill, 2048
 new tokens over 30720 cached). 32 query / 8 KV heads, d = 128 (or "head_size"
 in a variant), block size 16, pages in random order, random codes and scales,
-no rotation.
+no rotation unless a variant names one.
 
 Each (variant, dtype, shape) is timed as the whole paged_attention call (query
 scale, attention, merge), two calls between CUDA events after 3 warm-up calls,
@@ -38,11 +39,12 @@ from gpu_timing import median_call_ms   # tools/, beside this script
 QUERY_HEADS, KV_HEADS, BLOCK_SIZE = 32, 8, 16
 
 
-def make_case(kv_dtype: str, sequences: int, context: int, new_tokens: int, head_size: int, rng) -> dict:
+def make_case(kv_dtype: str, sequences: int, context: int, new_tokens: int, head_size: int, rotation: str,
+              rng) -> dict:
     pages = sequences * context // BLOCK_SIZE
     info = kc.formats.kv_dtype_info(kv_dtype)
     rows = (pages, BLOCK_SIZE, KV_HEADS, info.stored_head_size(head_size))
-    rotation = kc.rotation_plan(head_size, "none")
+    rotation = kc.rotation_plan(head_size, rotation)
     if kv_dtype == "auto":
         key = cupy.asarray(rng.standard_normal(rows).astype(np.float16))
         cache = kc.wrap_cache(key, key.copy(), kv_dtype="auto", rotation=rotation)
@@ -104,13 +106,14 @@ def main() -> None:
     cases, results = {}, []
     for variant in variants:
         head_size = variant.get("head_size", 128)
+        rotation = variant.get("rotation", "none")
         for kv_dtype in variant.get("dtypes", ["int4_per_token_head"]):
             for sequences, context, new_tokens in shapes:
-                key = (kv_dtype, sequences, context, new_tokens, head_size)
+                key = (kv_dtype, sequences, context, new_tokens, head_size, rotation)
                 if key not in cases:
-                    cases[key] = make_case(kv_dtype, sequences, context, new_tokens, head_size, rng)
+                    cases[key] = make_case(kv_dtype, sequences, context, new_tokens, head_size, rotation, rng)
                 record = dict(name=variant["name"], kv_dtype=kv_dtype, shape=[sequences, context, new_tokens],
-                              head_size=head_size)
+                              head_size=head_size, rotation=rotation)
                 try:
                     ms, plan = with_variant(variant, lambda: time_case(cases[key]))
                     record.update(ms=ms, tflop_per_s=cases[key]["flops"] / ms / 1e9, kernel=str(plan.kernel),

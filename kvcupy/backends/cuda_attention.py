@@ -254,6 +254,63 @@ def choose_splits(base_blocks: int, slots: int, most: int) -> int:
     return best
 
 
+# --- the prefill kernel's own rotation (prefill.cuh, load_query / write_output) ---
+
+def dtype_code(dtype) -> int:
+    """attention.cuh's kDtype* code of a query / output dtype."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float32:
+        return 0
+    if dtype == np.float16:
+        return 1
+    if dtype == formats.MODEL_DTYPES["bfloat16"]:
+        return 2
+    raise TypeError(f"no attention kernel reads or writes {dtype}")
+
+
+def logical_channels(head_pad: int, kv: int) -> np.ndarray:
+    """prefill.cuh's channel_of: the cache channel of each logical dim of the products."""
+    logical = np.arange(head_pad)
+    if kv != KV_INT4:
+        return logical
+    within = logical & 7
+    return (logical & ~7) + (within >> 1) + 4 * (within & 1)
+
+
+def mma_b_fragments(b: np.ndarray) -> np.ndarray:
+    """B [K, N] (entries exact in fp16) as m16n8k16 B fragments, [K/16, N/8, 32 lanes, 2]
+    uint32: lane (g, t) of k step ks and n tile nt holds the fp16 pairs
+    (B[16ks + 2t, 8nt + g], B[16ks + 2t + 1, ..]) and (B[16ks + 2t + 8, ..], B[16ks + 2t + 9, ..])."""
+    k_steps, n_tiles = b.shape[0] // 16, b.shape[1] // 8
+    ks, nt, lane = np.meshgrid(np.arange(k_steps), np.arange(n_tiles), np.arange(32), indexing="ij")
+    g, t = lane >> 2, lane & 3
+    k, n = 16 * ks + 2 * t, 8 * nt + g
+    bits = b.astype(np.float16).view(np.uint16).astype(np.uint32)
+    return np.stack([bits[k, n] | bits[k + 1, n] << 16, bits[k + 8, n] | bits[k + 9, n] << 16], axis=-1)
+
+
+def rotation_fragments(rotation, head_pad: int, kv: int) -> tuple[np.ndarray, np.ndarray]:
+    """The forward and inverse rotation as the prefill kernel's mma operands.
+
+    With F = H diag(s) (rotation.py: y = F x; x = F^T y / norm) and the kernel's
+    dims in logical order (P[l, k] = F[channel_of(l), k], zero past the head
+    size): the query's product is q P^T (B = P^T), the output's o P (B = P)."""
+    d = rotation.head_size
+    forward = rotation.matrix() * rotation.sign_vector()[None, :]
+    channels = logical_channels(head_pad, kv)
+    stored = channels < d
+    p = np.zeros((head_pad, head_pad))
+    p[np.flatnonzero(stored), :d] = forward[channels[stored]]
+    return mma_b_fragments(p.T), mma_b_fragments(p)
+
+
+def rotation_block(rotation) -> int:
+    """prefill.cuh's rotation_block: the width of one independent transform, 0 for none."""
+    if rotation is None or rotation.is_identity:
+        return 0
+    return rotation.block
+
+
 @dataclass(eq=False)
 class Plan:
     kernel: Kernel | PrefillKernel
@@ -265,6 +322,17 @@ class Plan:
     workspace: dict = field(default_factory=dict)
     strides: dict = field(default_factory=dict)
     functions: dict = field(default_factory=dict)
+    rotations: dict = field(default_factory=dict)
+
+    def rotation_operands(self, rotation, head_pad: int, kv: int, device):
+        """rotation_fragments on the device, made once per plan and rotation."""
+        key = (rotation, head_pad, kv)
+        if key not in self.rotations:
+            if rotation is None or rotation.is_identity:
+                self.rotations[key] = (None, None)
+            else:
+                self.rotations[key] = tuple(_upload(f, device) for f in rotation_fragments(rotation, head_pad, kv))
+        return self.rotations[key]
 
     def function(self, name: str, defines: dict):
         """A compiled kernel of attention.cu, looked up once per plan (the per-layer
@@ -344,19 +412,13 @@ def _rotate_rows(*args, **kwargs):
     return cuda.rotate_rows(*args, **kwargs)
 
 
-def _workspace(plan: Plan, num_tokens: int, num_heads: int, head_size: int, device) -> dict:
-    """float32 buffers of one call's shape, made once per plan and shape."""
+def _buffer(plan: Plan, name: str, shape: tuple, device):
+    """A float32 buffer of one call's shape, made once per plan, name and shape."""
     import cupy
-    key = (num_tokens, num_heads, head_size, device)
+    key = (name, shape, device.index)
     if key not in plan.workspace:
         with cupy.cuda.Device(device.index):
-            rows = (num_tokens, num_heads, head_size)
-            plan.workspace[key] = {
-                "query": cupy.zeros(rows, cupy.float32),
-                "out": cupy.zeros(rows, cupy.float32),
-                "part_out": cupy.zeros((plan.num_splits,) + rows, cupy.float32),
-                "part_stats": cupy.zeros((plan.num_splits, num_tokens, num_heads, 2), cupy.float32),
-            }
+            plan.workspace[key] = cupy.zeros(shape, cupy.float32)
     return plan.workspace[key]
 
 
@@ -371,59 +433,119 @@ def _strides(plan: Plan, cache):
     return plan.strides[key][0]
 
 
+def _pair_aligned(array) -> bool:
+    """Rows of `array` [T, H, d] start at a pair of elements (prefill.cuh reads and
+    writes pairs), its last axis contiguous."""
+    size = array.itemsize
+    return (array.strides[2] == size and array.strides[0] % (2 * size) == 0
+            and array.strides[1] % (2 * size) == 0 and array.data.ptr % (2 * size) == 0)
+
+
+def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> tuple:
+    """The prefill kernel's own arguments (attention.cuh, Params: query_in .. direct).
+
+    The kernel reads the caller's query and rotates it itself. With one split
+    it also normalises, rotates back and writes `out`, unless `out` is not
+    pair-aligned or the rotation's blocks are narrower than an mma fragment
+    (16 dims), where a product would carry a non-finite value across blocks:
+    those go through the merge and the rotate kernel."""
+    import cupy
+    kernel, rotation = plan.kernel, cache.rotation
+    q = query.data if _pair_aligned(query.data) else cupy.ascontiguousarray(query.data)
+    forward, inverse = plan.rotation_operands(rotation, kernel.head_pad, kernel.kv, cache.device)
+    block = rotation_block(rotation)
+    norm = 1 if block == 0 else rotation.norm
+    direct = plan.num_splits == 1 and (block == 0 or block >= 16) and _pair_aligned(out.data)
+    size = q.itemsize
+    return (q, np.int64(q.strides[0] // size), np.int64(q.strides[1] // size), np.int32(dtype_code(query.dtype)),
+            forward if forward is not None else np.uintp(0), inverse if inverse is not None else np.uintp(0),
+            np.int32(block), np.float32(1.0 / query_divisor(rotation, softmax_scale)), np.float32(1.0 / norm),
+            out.data, np.int64(out.data.strides[0] // out.data.itemsize),
+            np.int64(out.data.strides[1] // out.data.itemsize), np.int32(dtype_code(out.dtype)),
+            sinks if sinks is not None else np.uintp(0), np.int32(direct))
+
+
+# The decode kernel's values of those arguments: it reads the rotated query and writes splits.
+_NO_PREFILL_IO = (np.uintp(0), np.int64(0), np.int64(0), np.int32(0), np.uintp(0), np.uintp(0), np.int32(0),
+                  np.float32(1), np.float32(1), np.uintp(0), np.int64(0), np.int64(0), np.int32(0), np.uintp(0),
+                  np.int32(0))
+
+
 def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sliding_window,
                     softcap: float, sinks, out) -> None:
     import cupy
+    if not out.data.flags.c_contiguous:
+        # The merge and the rotate kernel write whole rows back to back: a strided
+        # `out` gets them through a contiguous copy.
+        with cupy.cuda.Device(cache.device.index):
+            rows = replace(out, data=cupy.empty(out.data.shape, out.data.dtype))
+        paged_attention(query, cache, batch, plan, softmax_scale=softmax_scale, sliding_window=sliding_window,
+                        softcap=softcap, sinks=sinks, out=rows)
+        out.data[...] = rows.data
+        return
     device = cache.device
     num_tokens, num_heads, head_size = query.shape
+    rows = (num_tokens, num_heads, head_size)
     rotation = cache.rotation
     rotated = rotation is not None and not rotation.is_identity
-    work = _workspace(plan, num_tokens, num_heads, head_size, device)
     from . import cuda
     arrays = batch.arrays(cuda, device)
     kernel = plan.kernel
+    prefill = isinstance(kernel, PrefillKernel)
     with cupy.cuda.Device(device.index):
-        # 1. The query in float32, rotated, scaled (softmax scale, rotation norm).
-        if rotated:
-            _rotate_rows(query.data.reshape(-1, head_size), work["query"].reshape(-1, head_size),
-                                rotation, inverse=False, divisor=query_divisor(rotation, softmax_scale),
-                                x_dtype=query.dtype, out_dtype=np.dtype(np.float32))
-        else:
-            scale = plan.function("scale_query", {"KVC_IN_T": formats.CPP_TYPES[query.dtype]})
-            n = query.data.size
-            scale((min(1024, -(-n // 256)),), (256,), (query.data, work["query"], np.int64(n),
-                                                      np.float32(softmax_scale)))
-        # 2. Partial softmax states of every split.
+        sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
+        io = _prefill_io(plan, query, cache, softmax_scale, sink_logits, out) if prefill else _NO_PREFILL_IO
+        direct = bool(io[-1])
+        query_rows = None
+        if not prefill:
+            # 1. The query in float32, rotated, scaled (softmax scale, rotation norm).
+            query_rows = _buffer(plan, "query", rows, device)
+            if rotated:
+                _rotate_rows(query.data.reshape(-1, head_size), query_rows.reshape(-1, head_size),
+                             rotation, inverse=False, divisor=query_divisor(rotation, softmax_scale),
+                             x_dtype=query.dtype, out_dtype=np.dtype(np.float32))
+            else:
+                scale = plan.function("scale_query", {"KVC_IN_T": formats.CPP_TYPES[query.dtype]})
+                n = query.data.size
+                scale((min(1024, -(-n // 256)),), (256,), (query.data, query_rows, np.int64(n),
+                                                          np.float32(softmax_scale)))
+        # 2. Partial softmax states of every split (prefill with one split: `out` itself).
+        part_out = None if direct else _buffer(plan, "part_out", (plan.num_splits,) + rows, device)
+        part_stats = None if direct else _buffer(plan, "part_stats", (plan.num_splits, num_tokens, num_heads, 2),
+                                                 device)
         attention = plan.function(kernel.entry, kernel.defines)
         has_scales = cache.k_scale_cache is not None
         code_unit = 256.0 if kernel.kv == KV_FP8 else 1.0
         table = arrays["block_table"]
+        null = np.uintp(0)
         attention(
             (plan.num_splits, plan.num_tiles, plan.head_groups), (kernel.threads,),
-            (work["query"], cache.key_cache, cache.value_cache,
+            (query_rows if query_rows is not None else null, cache.key_cache, cache.value_cache,
              cache.k_scale_cache if has_scales else cache.key_cache,
              cache.v_scale_cache if has_scales else cache.value_cache,
              _strides(plan, cache), table, arrays["seq_lens"], arrays["cu_seqlens_q"], plan.tiles,
-             work["part_out"], work["part_stats"], np.int32(num_tokens), np.int32(num_heads),
+             part_out if part_out is not None else null, part_stats if part_stats is not None else null,
+             np.int32(num_tokens), np.int32(num_heads),
              np.int32(num_heads // cache.num_kv_heads), np.int32(head_size),
              np.int32(cache.key_cache.shape[3] * cache.key_cache.itemsize), np.int32(cache.block_size),
              np.int32(int(cache.block_size).bit_length() - 1), np.int32(cache.num_blocks),
              np.int32(table.shape[1]), np.int32(plan.split_tokens), np.int32(sliding_window or 0),
-             np.float32(softcap), np.float32(code_unit)),
+             np.float32(softcap), np.float32(code_unit), *io),
             shared_mem=kernel.shared_bytes)
+        if direct:
+            return
         # 3. Merge the splits (and the sinks); 4. rotate back into `out`.
-        target = work["out"] if rotated else out.data
+        target = _buffer(plan, "out", rows, device) if rotated else out.data
         target_dtype = np.dtype(np.float32) if rotated else out.dtype
         merge = plan.function("merge_splits", {"KVC_OUT_T": formats.CPP_TYPES[target_dtype]})
-        sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
         merge((-(-num_tokens * num_heads // MERGE_ROWS),), (32 * MERGE_ROWS,),
-              (work["part_out"], work["part_stats"], sink_logits if sink_logits is not None else np.uintp(0),
+              (part_out, part_stats, sink_logits if sink_logits is not None else null,
                target, np.int32(plan.num_splits), np.int32(num_tokens), np.int32(num_heads),
                np.int32(head_size)))
         if rotated:
-            _rotate_rows(work["out"].reshape(-1, head_size), out.data.reshape(-1, head_size),
-                                rotation, inverse=True, divisor=float(rotation.norm),
-                                x_dtype=np.dtype(np.float32), out_dtype=out.dtype)
+            _rotate_rows(target.reshape(-1, head_size), out.data.reshape(-1, head_size),
+                         rotation, inverse=True, divisor=float(rotation.norm),
+                         x_dtype=np.dtype(np.float32), out_dtype=out.dtype)
 
 
 # --- what `kvcupy check` compiles (cuda_specs.FAMILIES) --------------------
