@@ -17,7 +17,7 @@ using namespace kvc_attn;
       int head_size, int row_bytes, int block_size, int block_shift, int num_blocks, int table_width,        \
       int split_tokens, int window, float softcap, float code_unit, const void *query_in,                  \
       long long q_token_stride, long long q_head_stride, int query_dtype, const uint2 *rotation_fwd,        \
-      const uint2 *rotation_inv, int rotation_block, float query_factor, float out_factor, void *out,       \
+      const uint2 *rotation_inv, int rotation_shift, float query_factor, float out_factor, void *out,       \
       long long out_token_stride, long long out_head_stride, int out_dtype, const float *sinks, int direct
 
 namespace {
@@ -71,7 +71,7 @@ __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
   p.query_dtype = query_dtype;
   p.rotation_fwd = rotation_fwd;
   p.rotation_inv = rotation_inv;
-  p.rotation_block = rotation_block;
+  p.rotation_shift = rotation_shift;
   p.query_factor = query_factor;
   p.out_factor = out_factor;
   p.out = out;
@@ -87,7 +87,7 @@ __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
   make_params(query, key_cache, value_cache, k_scales, v_scales, strides, block_table, seq_lens, cu_seqlens_q, \
               tiles, part_out, part_stats, num_tokens, num_heads, group, head_size, row_bytes, block_size,     \
               block_shift, num_blocks, table_width, split_tokens, window, softcap, code_unit, query_in,        \
-              q_token_stride, q_head_stride, query_dtype, rotation_fwd, rotation_inv, rotation_block,          \
+              q_token_stride, q_head_stride, query_dtype, rotation_fwd, rotation_inv, rotation_shift,          \
               query_factor, out_factor, out, out_token_stride, out_head_stride, out_dtype, sinks, direct)
 
 }  // namespace

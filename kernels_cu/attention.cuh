@@ -152,7 +152,8 @@ struct Params {
   int query_dtype;           // kDtypeF32, kDtypeF16, kDtypeBf16
   const uint2* rotation_fwd; // mma B fragments of the rotation (cuda_attention.rotation_fragments)
   const uint2* rotation_inv; // ... and of its inverse
-  int rotation_block;        // width of one independent transform; 0: no rotation
+  int rotation_shift;        // -1: no rotation; else log2 of the width of one independent
+                             // block of fragments (cuda_attention.rotation_shift)
   float query_factor;        // 1 / query_divisor: softmax scale / norm
   float out_factor;          // 1 / norm
   void* out;                 // [T, Hq, d] (out_dtype), written directly when `direct`

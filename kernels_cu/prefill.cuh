@@ -287,11 +287,30 @@ struct Prefill {
   }
 
   // Whether the (k step, n tile) fragment of a rotation matrix can hold a
-  // nonzero: the 16 rows and the 8 columns lie in one independent block of
-  // width `block` (>= 16, or the fragments cross blocks and all are kept).
+  // nonzero: its 16 rows and 8 columns lie in one independent block of
+  // 2^shift dims (the host's rotation_shift: large where every fragment counts).
   // Skipping the others saves products and keeps a non-finite value inside its block.
-  static __device__ __forceinline__ bool fragment_used(int block, int ks, int nt) {
-    return block < 16 || (16 * ks) / block == (8 * nt) / block;
+  static __device__ __forceinline__ bool fragment_used(int shift, int ks, int nt) {
+    return (16 * ks) >> shift == (8 * nt) >> shift;
+  }
+
+  // The rotation's fragments (cuda_attention.rotation_fragments: [KC][ND][32
+  // lanes] x 8 bytes, HEAD_PAD^2 x 2 bytes in all) into shared memory at `to`,
+  // every thread of the block copying 16 bytes at a time. Read from there, a
+  // warp's fragment is one conflict-free 8-byte access a lane.
+  static constexpr int kFragmentBytes = HEAD_PAD * HEAD_PAD * 2;
+  static_assert(kFragmentBytes <= WARPS * 2 * kQueryBytes, "the fragments fit where the query rows go");
+  static __device__ __forceinline__ void stage_fragments(const uint2* from, u8* to) {
+    const uint4* source = reinterpret_cast<const uint4*>(from);
+    uint4* target = reinterpret_cast<uint4*>(to);
+    for (int i = threadIdx.x; i < kFragmentBytes / 16; i += kThreads) target[i] = __ldg(source + i);
+  }
+
+  // The power of two that brings |x| <= m near 2^14 (fp16's range, exact to apply).
+  static __device__ __forceinline__ float fp16_range_scale(float m) {
+    int exponent = 0;
+    frexpf(m, &exponent);
+    return m > 0.f && isfinite(m) ? ldexpf(1.f, 14 - exponent) : 1.f;
   }
 
   // A operands (16 rows x HEAD_PAD, the rows' values `x` in C-fragment order:
@@ -314,31 +333,59 @@ struct Prefill {
     }
   }
 
-  // The power of two that brings |x| <= m near 2^14 (fp16's range, exact to apply).
-  static __device__ __forceinline__ float fp16_range_scale(float m) {
-    int exponent = 0;
-    frexpf(m, &exponent);
-    return m > 0.f && isfinite(m) ? ldexpf(1.f, 14 - exponent) : 1.f;
+  // y = x M for this warp's 16 rows (x in C-fragment order, M's fragments in
+  // shared memory), each row times factor / up[r]; emit(n, y[4]) takes n tile
+  // n's C fragment as soon as it is done (x is dead by then: fewer registers).
+  template <class Emit>
+  static __device__ __forceinline__ void rotate_rows(const float (&x)[ND][4], const u8* fragments, int shift,
+                                                     bool with_low, float factor, Emit emit) {
+    const int lane = threadIdx.x & 31;
+    float largest[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) largest[i >> 1] = fmaxf(largest[i >> 1], fabsf(x[n][i]));
+    const float up[2] = {fp16_range_scale(max_over_quad(largest[0])), fp16_range_scale(max_over_quad(largest[1]))};
+    u32 high[KC][4], low[KC][4];
+    split_rows(x, up, high, low);
+    const float scale[2] = {factor / up[0], factor / up[1]};
+    const uint2* b = reinterpret_cast<const uint2*>(fragments) + lane;
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int ks = 0; ks < KC; ++ks) {
+        if (!fragment_used(shift, ks, n)) continue;
+        const uint2 fragment = b[(ks * ND + n) * 32];
+        mma<false>(acc, high[ks], fragment.x, fragment.y);
+        if (with_low) mma<false>(acc, low[ks], fragment.x, fragment.y);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] *= scale[i >> 1];
+      emit(n, acc);
+    }
   }
 
   // values[kc][h][r][j]: the query row g + 8 r of this warp, logical dim
   // 16 kc + 8 h + 2t + j, rotated into the cache's channel order and scaled
   // (softmax scale / norm), from the caller's query. A rotation is a product
-  // with the host's matrix fragments (entries 0 and +-1, exact in fp16; the
-  // query split into fp16 high and low parts, accumulated in fp32); without
-  // one, the channels are read in place.
+  // with the host's matrix (entries 0 and +-1, exact in fp16; the query split
+  // into fp16 high and low parts, accumulated in fp32), staged in `scratch`
+  // (the block's query rows, written only after): every thread of the block
+  // calls this. Without a rotation the channels are read in place.
   static __device__ __forceinline__ void load_query(const Params& p, int q_begin, int row_begin, int kv_head,
-                                                    const bool (&row_valid)[2], float (&values)[KC][2][2][2]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+                                                    const bool (&row_valid)[2], u8* scratch,
+                                                    float (&values)[KC][2][2][2]) {
+    const int lane = threadIdx.x & 31, t = lane & 3;
     long long row_start[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = row_begin + g + 8 * r;
+      const int row = row_begin + (lane >> 2) + 8 * r;
       row_start[r] = row_valid[r] ? (q_begin + row / p.group) * p.q_token_stride +
                                         static_cast<long long>(kv_head * p.group + row % p.group) * p.q_head_stride
                                   : 0;
     }
-    if (p.rotation_block == 0) {
+    if (p.rotation_shift < 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -354,7 +401,6 @@ struct Prefill {
       return;
     }
     float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), channel 8 n + 2t + i % 2
-    float largest[2] = {0.f, 0.f};
 #pragma unroll
     for (int n = 0; n < ND; ++n) {
 #pragma unroll
@@ -363,44 +409,33 @@ struct Prefill {
         const float2 v = row_valid[r] && channel < p.head_size ? query_pair(p, row_start[r] + channel)
                                                                : make_float2(0.f, 0.f);
         raw[n][2 * r] = v.x, raw[n][2 * r + 1] = v.y;
-        largest[r] = fmaxf(largest[r], fmaxf(fabsf(v.x), fabsf(v.y)));
       }
     }
-    const float up[2] = {fp16_range_scale(max_over_quad(largest[0])), fp16_range_scale(max_over_quad(largest[1]))};
-    u32 high[KC][4], low[KC][4];
-    split_rows(raw, up, high, low);
+    stage_fragments(p.rotation_fwd, scratch);
+    __syncthreads();
     // fp16 and bf16 queries are exact in the high part (row scaling included).
-    const bool with_low = p.query_dtype == kDtypeF32;
-    const float factor[2] = {p.query_factor / up[0], p.query_factor / up[1]};
+    rotate_rows(raw, scratch, p.rotation_shift, p.query_dtype == kDtypeF32, p.query_factor,
+                [&](int n, const float (&y)[4]) {
 #pragma unroll
-    for (int n = 0; n < ND; ++n) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int ks = 0; ks < KC; ++ks) {
-        if (!fragment_used(p.rotation_block, ks, n)) continue;
-        const uint2 b = __ldg(p.rotation_fwd + (ks * ND + n) * 32 + lane);
-        mma<false>(acc, high[ks], b.x, b.y);
-        if (with_low) mma<false>(acc, low[ks], b.x, b.y);
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = acc[i] * factor[i >> 1];
-    }
+                  for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = y[i];
+                });
+    __syncthreads();   // every warp is done with the fragments: the query rows go there next
   }
 
   // One split saw every key (`direct`): the merge's arithmetic for a single
   // split (merge_splits: the sink joins the denominator), the inverse rotation
-  // (the host's fragments, the rows split into fp16 high and low parts), and
-  // the rows written to `out` in its dtype.
+  // (the host's fragments staged in `scratch`, the block's query rows, no
+  // longer read), and the rows written to `out` in its dtype. Every thread of
+  // the block calls this.
   static __device__ __forceinline__ void write_output(const Params& p, float (&out)[ND][4], const float (&running_max)[2],
                                                       const float (&running_sum)[2], float reference,
                                                       const float (&row_unscale)[2], int q_begin, int row_begin,
-                                                      int kv_head, const bool (&row_valid)[2]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+                                                      int kv_head, const bool (&row_valid)[2], u8* scratch) {
+    const int lane = threadIdx.x & 31, t = lane & 3;
     long long row_start[2];
-    float largest[2] = {0.f, 0.f};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = row_begin + g + 8 * r;
+      const int row = row_begin + (lane >> 2) + 8 * r;
       const int head = kv_head * p.group + row % p.group;
       row_start[r] = row_valid[r] ? (q_begin + row / p.group) * p.out_token_stride +
                                         static_cast<long long>(head) * p.out_head_stride
@@ -420,10 +455,9 @@ struct Prefill {
         for (int j = 0; j < 2; ++j) {
           float& o = out[n][2 * r + j];
           o = weight != 0.f ? o * factor : 0.f / total;
-          largest[r] = fmaxf(largest[r], fabsf(o));
         }
     }
-    if (p.rotation_block == 0) {
+    if (p.rotation_shift < 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         if (!row_valid[r]) continue;
@@ -437,26 +471,15 @@ struct Prefill {
       }
       return;
     }
-    const float up[2] = {fp16_range_scale(max_over_quad(largest[0])), fp16_range_scale(max_over_quad(largest[1]))};
-    u32 high[KC][4], low[KC][4];
-    split_rows(out, up, high, low);
-    const float factor[2] = {p.out_factor / up[0], p.out_factor / up[1]};
-#pragma unroll
-    for (int n = 0; n < ND; ++n) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int ks = 0; ks < KC; ++ks) {
-        if (!fragment_used(p.rotation_block, ks, n)) continue;
-        const uint2 b = __ldg(p.rotation_inv + (ks * ND + n) * 32 + lane);
-        mma<false>(acc, high[ks], b.x, b.y);
-        mma<false>(acc, low[ks], b.x, b.y);
-      }
+    __syncthreads();   // every warp is past its last ldmatrix of the query rows
+    stage_fragments(p.rotation_inv, scratch);
+    __syncthreads();
+    rotate_rows(out, scratch, p.rotation_shift, true, p.out_factor, [&](int n, const float (&y)[4]) {
       const int channel = 8 * n + 2 * t;
 #pragma unroll
       for (int r = 0; r < 2; ++r)
-        if (row_valid[r] && channel < p.head_size)
-          store_output_pair(p, row_start[r] + channel, acc[2 * r] * factor[r], acc[2 * r + 1] * factor[r]);
-    }
+        if (row_valid[r] && channel < p.head_size) store_output_pair(p, row_start[r] + channel, y[2 * r], y[2 * r + 1]);
+    });
   }
 
   static __device__ __forceinline__ void store_output(const Params& p, long long element, float v) {
@@ -543,7 +566,7 @@ struct Prefill {
     float row_unscale[2];
     {
       float values[KC][2][2][2];   // [kc][h][r][j]
-      load_query(p, q_begin, row_begin, kv_head, row_valid, values);
+      load_query(p, q_begin, row_begin, kv_head, row_valid, smem + STAGES * kStageBytes + kDecodedBytes, values);
       float largest[2] = {0.f, 0.f};
 #pragma unroll
       for (int kc = 0; kc < KC; ++kc)
@@ -724,7 +747,8 @@ struct Prefill {
     cp_async_wait<0>();
 
     if (p.direct) {
-      write_output(p, out, running_max, running_sum, reference, row_unscale, q_begin, row_begin, kv_head, row_valid);
+      write_output(p, out, running_max, running_sum, reference, row_unscale, q_begin, row_begin, kv_head, row_valid,
+                   smem + STAGES * kStageBytes + kDecodedBytes);
       return;
     }
     // Partial state of this split: max and sum per row, the accumulators times R.

@@ -375,7 +375,7 @@ def test_prefill_rotates_its_query_and_output(rotation, head_size, kv_dtype, que
     are narrower than a fragment (d = 40: blocks of 8), which take the merge and
     the rotate kernel like several splits ("chunk") do. Sinks throughout."""
     query_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if query_dtype == "bfloat16" else np.dtype(query_dtype)
-    seq_lens, query_lens = ((300, 77), (300, 77)) if shape == "prompts" else ((4000, 600), (256, 64))
+    seq_lens, query_lens = ((200, 77), (200, 77)) if shape == "prompts" else ((4000, 600), (256, 64))
     rng = np.random.default_rng(head_size)
     batch = paged_batch(rng, list(seq_lens), list(query_lens), 16)
     cache = host_cache(rng, batch, kv_dtype, head_size, 2, 16, np.float16, rotation)

@@ -304,11 +304,16 @@ def rotation_fragments(rotation, head_pad: int, kv: int) -> tuple[np.ndarray, np
     return mma_b_fragments(p.T), mma_b_fragments(p)
 
 
-def rotation_block(rotation) -> int:
-    """prefill.cuh's rotation_block: the width of one independent transform, 0 for none."""
+def rotation_shift(rotation) -> int:
+    """prefill.cuh's rotation_shift: -1 without a rotation; else log2 of the width of
+    the independent blocks the rotation's fragments fall in: a block-diagonal
+    rotation's block when it spans whole fragments (16 dims and up), otherwise
+    (kron, narrower blocks) one block for the whole head (30)."""
     if rotation is None or rotation.is_identity:
-        return 0
-    return rotation.block
+        return -1
+    if rotation.kind == "blockdiag" and rotation.block >= 16:
+        return rotation.block.bit_length() - 1
+    return 30
 
 
 @dataclass(eq=False)
@@ -453,20 +458,22 @@ def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> t
     kernel, rotation = plan.kernel, cache.rotation
     q = query.data if _pair_aligned(query.data) else cupy.ascontiguousarray(query.data)
     forward, inverse = plan.rotation_operands(rotation, kernel.head_pad, kernel.kv, cache.device)
-    block = rotation_block(rotation)
-    norm = 1 if block == 0 else rotation.norm
-    direct = plan.num_splits == 1 and (block == 0 or block >= 16) and _pair_aligned(out.data)
+    shift = rotation_shift(rotation)
+    norm = 1 if shift < 0 else rotation.norm
+    # Blocks narrower than a fragment: a product would carry a NaN or inf across them.
+    narrow = rotation is not None and rotation.kind == "blockdiag" and rotation.block < 16
+    direct = plan.num_splits == 1 and not narrow and _pair_aligned(out.data)
     size = q.itemsize
     return (q, np.int64(q.strides[0] // size), np.int64(q.strides[1] // size), np.int32(dtype_code(query.dtype)),
             forward if forward is not None else np.uintp(0), inverse if inverse is not None else np.uintp(0),
-            np.int32(block), np.float32(1.0 / query_divisor(rotation, softmax_scale)), np.float32(1.0 / norm),
+            np.int32(shift), np.float32(1.0 / query_divisor(rotation, softmax_scale)), np.float32(1.0 / norm),
             out.data, np.int64(out.data.strides[0] // out.data.itemsize),
             np.int64(out.data.strides[1] // out.data.itemsize), np.int32(dtype_code(out.dtype)),
             sinks if sinks is not None else np.uintp(0), np.int32(direct))
 
 
 # The decode kernel's values of those arguments: it reads the rotated query and writes splits.
-_NO_PREFILL_IO = (np.uintp(0), np.int64(0), np.int64(0), np.int32(0), np.uintp(0), np.uintp(0), np.int32(0),
+_NO_PREFILL_IO = (np.uintp(0), np.int64(0), np.int64(0), np.int32(0), np.uintp(0), np.uintp(0), np.int32(-1),
                   np.float32(1), np.float32(1), np.uintp(0), np.int64(0), np.int64(0), np.int32(0), np.uintp(0),
                   np.int32(0))
 
