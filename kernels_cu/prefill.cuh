@@ -350,19 +350,28 @@ struct Prefill {
     split_rows(x, up, high, low);
     const float scale[2] = {factor / up[0], factor / up[1]};
     const uint2* b = reinterpret_cast<const uint2*>(fragments) + lane;
+    // Four n tiles at a time: four independent accumulator chains keep the
+    // tensor pipe busy where one chain would wait out every product's latency.
+    static_assert(ND % 4 == 0, "whole groups of n tiles");
 #pragma unroll
-    for (int n = 0; n < ND; ++n) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int n0 = 0; n0 < ND; n0 += 4) {
+      float acc[4][4] = {};
 #pragma unroll
       for (int ks = 0; ks < KC; ++ks) {
-        if (!fragment_used(shift, ks, n)) continue;
-        const uint2 fragment = b[(ks * ND + n) * 32];
-        mma<false>(acc, high[ks], fragment.x, fragment.y);
-        if (with_low) mma<false>(acc, low[ks], fragment.x, fragment.y);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (!fragment_used(shift, ks, n0 + j)) continue;
+          const uint2 fragment = b[(ks * ND + n0 + j) * 32];
+          mma<false>(acc[j], high[ks], fragment.x, fragment.y);
+          if (with_low) mma<false>(acc[j], low[ks], fragment.x, fragment.y);
+        }
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[i] *= scale[i >> 1];
-      emit(n, acc);
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][i] *= scale[i >> 1];
+        emit(n0 + j, acc[j]);
+      }
     }
   }
 
