@@ -272,35 +272,18 @@ struct Prefill {
     }
   }
 
-  // The caller's query and output dtypes (kDtype*): a branch once per call
-  // site, not per access, so that the accesses behind it need no branches and
-  // their loads all go out together.
-  template <int D> struct DtypeTag { static constexpr int kDtype = D; };
-  template <class F> static __device__ __forceinline__ void with_dtype(int dtype, F f) {
-    if (dtype == kDtypeF32) f(DtypeTag<kDtypeF32>{});
-    else if (dtype == kDtypeF16) f(DtypeTag<kDtypeF16>{});
-    else f(DtypeTag<kDtypeBf16>{});
+  // Two consecutive elements of the caller's query (a pair never straddles a
+  // row: head sizes are even; the host aligns rows to a pair).
+  static __device__ __forceinline__ float2 query_pair(const Params& p, long long element) {
+    if (p.query_dtype == kDtypeF32) return *reinterpret_cast<const float2*>(static_cast<const float*>(p.query_in) + element);
+    const u32 bits = *reinterpret_cast<const u32*>(static_cast<const u16*>(p.query_in) + element);
+    return p.query_dtype == kDtypeF16 ? unpack_half2(bits) : unpack_bf162(bits);
   }
 
-  // Two consecutive elements (a pair never straddles a row: head sizes are
-  // even; the host aligns rows to a pair), or one.
-  template <int D> static __device__ __forceinline__ float2 load_pair(const void* base, long long element) {
-    if constexpr (D == kDtypeF32) return *reinterpret_cast<const float2*>(static_cast<const float*>(base) + element);
-    const u32 bits = *reinterpret_cast<const u32*>(static_cast<const u16*>(base) + element);
-    return D == kDtypeF16 ? unpack_half2(bits) : unpack_bf162(bits);
-  }
-  template <int D> static __device__ __forceinline__ float load_one(const void* base, long long element) {
-    if constexpr (D == kDtypeF32) return static_cast<const float*>(base)[element];
-    const u32 bits = static_cast<const u16*>(base)[element];
-    return D == kDtypeF16 ? unpack_half2(bits).x : unpack_bf162(bits).x;
-  }
-  template <int D> static __device__ __forceinline__ void store_pair(void* base, long long element, float v0, float v1) {
-    if constexpr (D == kDtypeF32) *reinterpret_cast<float2*>(static_cast<float*>(base) + element) = make_float2(v0, v1);
-    else *reinterpret_cast<u32*>(static_cast<u16*>(base) + element) = D == kDtypeF16 ? pack_half2(v0, v1) : pack_bf162(v0, v1);
-  }
-  template <int D> static __device__ __forceinline__ void store_one(void* base, long long element, float v) {
-    if constexpr (D == kDtypeF32) static_cast<float*>(base)[element] = v;
-    else static_cast<u16*>(base)[element] = (D == kDtypeF16 ? pack_half2(v, 0.f) : pack_bf162(v, 0.f)) & 0xFFFFu;
+  static __device__ __forceinline__ float query_element(const Params& p, long long element) {
+    if (p.query_dtype == kDtypeF32) return static_cast<const float*>(p.query_in)[element];
+    const u32 bits = static_cast<const u16*>(p.query_in)[element];
+    return p.query_dtype == kDtypeF16 ? unpack_half2(bits).x : unpack_bf162(bits).x;
   }
 
   // Whether the (k step, n tile) fragment of a rotation matrix can hold a
@@ -412,38 +395,31 @@ struct Prefill {
                                   : 0;
     }
     if (p.rotation_shift < 0) {
-      with_dtype(p.query_dtype, [&](auto dtype) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
+      for (int r = 0; r < 2; ++r)
 #pragma unroll
-          for (int kc = 0; kc < KC; ++kc)
+        for (int kc = 0; kc < KC; ++kc)
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
+          for (int h = 0; h < 2; ++h)
 #pragma unroll
-              for (int j = 0; j < 2; ++j) {
-                const int channel = channel_of(16 * kc + 8 * h + 2 * t + j);
-                values[kc][h][r][j] = row_valid[r] && channel < p.head_size
-                                          ? load_one<decltype(dtype)::kDtype>(p.query_in, row_start[r] + channel) *
-                                                p.query_factor
-                                          : 0.f;
-              }
-      });
+            for (int j = 0; j < 2; ++j) {
+              const int channel = channel_of(16 * kc + 8 * h + 2 * t + j);
+              values[kc][h][r][j] =
+                  row_valid[r] && channel < p.head_size ? query_element(p, row_start[r] + channel) * p.query_factor : 0.f;
+            }
       return;
     }
     float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), channel 8 n + 2t + i % 2
-    with_dtype(p.query_dtype, [&](auto dtype) {
 #pragma unroll
-      for (int n = 0; n < ND; ++n) {
+    for (int n = 0; n < ND; ++n) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int channel = 8 * n + 2 * t;
-          const float2 v = row_valid[r] && channel < p.head_size
-                               ? load_pair<decltype(dtype)::kDtype>(p.query_in, row_start[r] + channel)
-                               : make_float2(0.f, 0.f);
-          raw[n][2 * r] = v.x, raw[n][2 * r + 1] = v.y;
-        }
+      for (int r = 0; r < 2; ++r) {
+        const int channel = 8 * n + 2 * t;
+        const float2 v = row_valid[r] && channel < p.head_size ? query_pair(p, row_start[r] + channel)
+                                                               : make_float2(0.f, 0.f);
+        raw[n][2 * r] = v.x, raw[n][2 * r + 1] = v.y;
       }
-    });
+    }
     stage_fragments(p.rotation_fwd, scratch);
     __syncthreads();
     // fp16 and bf16 queries are exact in the high part (row scaling included).
@@ -491,34 +467,40 @@ struct Prefill {
         }
     }
     if (p.rotation_shift < 0) {
-      with_dtype(p.out_dtype, [&](auto dtype) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          if (!row_valid[r]) continue;
+      for (int r = 0; r < 2; ++r) {
+        if (!row_valid[r]) continue;
 #pragma unroll
-          for (int n = 0; n < ND; ++n)
+        for (int n = 0; n < ND; ++n)
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const int channel = channel_of(8 * n + 2 * t + j);
-              if (channel < p.head_size)
-                store_one<decltype(dtype)::kDtype>(p.out, row_start[r] + channel, out[n][2 * r + j]);
-            }
-        }
-      });
+          for (int j = 0; j < 2; ++j) {
+            const int channel = channel_of(8 * n + 2 * t + j);
+            if (channel < p.head_size) store_output(p, row_start[r] + channel, out[n][2 * r + j]);
+          }
+      }
       return;
     }
     __syncthreads();   // every warp is past its last ldmatrix of the query rows
     stage_fragments(p.rotation_inv, scratch);
     __syncthreads();
-    with_dtype(p.out_dtype, [&](auto dtype) {
-      rotate_rows(out, scratch, p.rotation_shift, true, p.out_factor, [&](int n, const float (&y)[4]) {
-        const int channel = 8 * n + 2 * t;
+    rotate_rows(out, scratch, p.rotation_shift, true, p.out_factor, [&](int n, const float (&y)[4]) {
+      const int channel = 8 * n + 2 * t;
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-          if (row_valid[r] && channel < p.head_size)
-            store_pair<decltype(dtype)::kDtype>(p.out, row_start[r] + channel, y[2 * r], y[2 * r + 1]);
-      });
+      for (int r = 0; r < 2; ++r)
+        if (row_valid[r] && channel < p.head_size) store_output_pair(p, row_start[r] + channel, y[2 * r], y[2 * r + 1]);
     });
+  }
+
+  static __device__ __forceinline__ void store_output(const Params& p, long long element, float v) {
+    if (p.out_dtype == kDtypeF32) static_cast<float*>(p.out)[element] = v;
+    else if (p.out_dtype == kDtypeF16) static_cast<kvc::half*>(p.out)[element] = kvc::from_float<kvc::half>(v);
+    else static_cast<kvc::bfloat16*>(p.out)[element] = kvc::from_float<kvc::bfloat16>(v);
+  }
+
+  static __device__ __forceinline__ void store_output_pair(const Params& p, long long element, float v0, float v1) {
+    if (p.out_dtype == kDtypeF32) *reinterpret_cast<float2*>(static_cast<float*>(p.out) + element) = make_float2(v0, v1);
+    else if (p.out_dtype == kDtypeF16) *reinterpret_cast<u32*>(static_cast<u16*>(p.out) + element) = pack_half2(v0, v1);
+    else *reinterpret_cast<u32*>(static_cast<u16*>(p.out) + element) = pack_bf162(v0, v1);
   }
 
   static __device__ void run(const Params& p, int block_shift) {
