@@ -15,8 +15,9 @@ new tokens over 30720 cached). 32 query / 8 KV heads, d = 128 (or "head_size"
 in a variant), block size 16, pages in random order, random codes and scales,
 no rotation unless a variant names one.
 
-Each (variant, dtype, shape) is timed as the whole paged_attention call (query
-scale, attention, merge), two calls between CUDA events after 3 warm-up calls,
+Each (variant, dtype, shape) is timed as the whole paged_attention call (the
+prefill kernel, and the merge and inverse rotation when it splits the keys),
+two calls between CUDA events after 3 warm-up calls,
 the median of 7; TFLOP/s counts 4 d Hq per (query, key it sees): the causal
 square by halves, a chunk's cached part in full. Prints one JSON line a case
 and writes prefill_variants.json to $OUT (or the current folder).

@@ -1,10 +1,15 @@
 """CUDA paged attention: plan a batch once, then launch kernels_cu/attention.cu.
 
-A call is four launches on the caller's stream, none of which waits for the
-host: the query is rotated (or scaled) to float32 in the cache's channel
-order, the attention kernel writes each split's partial softmax state, the
-merge kernel combines the splits (and the sinks), and the inverse rotation
-writes `out` (for caches without rotation the merge writes `out` itself).
+A decode call is four launches on the caller's stream, none of which waits
+for the host: the query is rotated (or scaled) to float32 in the cache's
+channel order, the attention kernel writes each split's partial softmax
+state, the merge kernel combines the splits (and the sinks), and the inverse
+rotation writes `out` (for caches without rotation the merge writes `out`
+itself). The prefill kernel reads the caller's query and rotates it itself
+(mma products with the rotation's fragments, `rotation_fragments`); with one
+split it also normalises, rotates back and writes `out`, so that a prompt is
+one launch; with several, the merge and the inverse rotation follow as in
+decode.
 
 The plan (made once per BatchPlan and reused by every layer) fixes what the
 kernel is specialised on and how the work is cut. Decode and short query

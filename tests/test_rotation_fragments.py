@@ -1,0 +1,88 @@
+"""The prefill kernel's rotation operands (cuda_attention.rotation_fragments),
+checked on the host: the fragments are unpacked the way mma.m16n8k16 hands
+them to lane (g, t), and the products prefill.cuh forms with them must be the
+oracle's rotation (query) and inverse rotation (output), in the kernel's
+logical dim order. NumPy only: no GPU, and it runs in CI."""
+
+import numpy as np
+import pytest
+
+import kvcupy as kc
+from kvcupy import reference
+from kvcupy.backends import cuda_attention as ca
+
+
+def unpack_fragments(fragments: np.ndarray) -> np.ndarray:
+    """[K/16, N/8, 32, 2] uint32 -> B [K, N] float64, reading each word as the
+    PTX fragment layout says: lane (g, t) holds B[2t, 2t + 1][g] in its first
+    register and B[2t + 8, 2t + 9][g] in its second, the lower k in the low half."""
+    k_steps, n_tiles = fragments.shape[:2]
+    b = np.full((16 * k_steps, 8 * n_tiles), np.nan)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for register, k in ((0, 2 * t), (1, 2 * t + 8)):
+            words = fragments[:, :, lane, register]
+            for half, shift in ((0, 0), (1, 16)):
+                values = ((words >> shift) & 0xFFFF).astype(np.uint16).view(np.float16)
+                b[np.arange(k_steps)[:, None] * 16 + k + half, np.arange(n_tiles)[None, :] * 8 + g] = values
+    assert not np.isnan(b).any()
+    return b
+
+
+CASES = [(128, "blockdiag"), (96, "blockdiag"), (80, "blockdiag"), (40, "blockdiag"), (34, "blockdiag"),
+         (80, "kron"), (112, "kron"), (96, "kron"), (64, "none")]
+
+
+@pytest.mark.parametrize("kv", [ca.KV_INT4, ca.KV_INT8, ca.KV_BF16])
+@pytest.mark.parametrize("head_size,kind", CASES)
+def test_fragments_rotate_like_the_oracle(head_size, kind, kv):
+    plan = kc.rotation_plan(head_size, kind)
+    head_pad = -(-head_size // ca.HEAD_CLASS) * ca.HEAD_CLASS
+    channels = ca.logical_channels(head_pad, kv)
+    stored = channels < head_size
+    rng = np.random.default_rng(head_size)
+    if plan.is_identity:
+        assert ca.rotation_shift(plan) == -1   # the kernel reads and writes channels in place
+        return
+    forward, inverse = (unpack_fragments(f) for f in ca.rotation_fragments(plan, head_pad, kv))
+    assert set(np.unique(forward)) <= {-1.0, 0.0, 1.0}   # exact in fp16
+
+    # Query: q (channels, zero-padded) times the forward B = the rotated query's
+    # logical dims, each the channel channel_of(l) of reference.rotate.
+    q = np.zeros(head_pad)
+    q[:head_size] = rng.standard_normal(head_size)
+    rotated = reference.rotate(q[:head_size], plan)
+    want = np.where(stored, rotated[np.minimum(channels, head_size - 1)], 0.0)
+    np.testing.assert_allclose(q @ forward, want, rtol=0, atol=1e-12)
+
+    # Output: rows in logical order times the inverse B, over the norm = the
+    # oracle's inverse rotation, channel by channel.
+    y = rng.standard_normal(head_size)
+    logical = np.where(stored, y[np.minimum(channels, head_size - 1)], 0.0)
+    np.testing.assert_allclose((logical @ inverse)[:head_size] / plan.norm,
+                               reference.rotate(y, plan, inverse=True), rtol=0, atol=1e-12)
+    assert not (logical @ inverse)[head_size:].any()   # nothing written past the head
+
+
+@pytest.mark.parametrize("head_size,kind", CASES)
+def test_skipped_fragments_are_zero(head_size, kind):
+    """prefill.cuh skips fragment (ks, nt) unless (16 ks) >> shift == (8 nt) >> shift:
+    every skipped fragment must be all zero (a skipped nonzero would drop a term)."""
+    plan = kc.rotation_plan(head_size, kind)
+    shift = ca.rotation_shift(plan)
+    if shift < 0:
+        return
+    head_pad = -(-head_size // ca.HEAD_CLASS) * ca.HEAD_CLASS
+    for fragments in ca.rotation_fragments(plan, head_pad, ca.KV_INT4):
+        b = unpack_fragments(fragments)   # values: a zero entry may be -0 (a sign times 0)
+        for ks in range(fragments.shape[0]):
+            for nt in range(fragments.shape[1]):
+                if (16 * ks) >> shift != (8 * nt) >> shift:
+                    assert not b[16 * ks:16 * ks + 16, 8 * nt:8 * nt + 8].any(), (ks, nt)
+
+
+def test_narrow_blocks_keep_every_fragment():
+    """Blocks of 2, 4 or 8 dims share fragments: no fragment may be skipped there."""
+    for head_size in (34, 36, 40, 72, 120):
+        plan = kc.rotation_plan(head_size, "blockdiag")
+        assert plan.block < 16 and ca.rotation_shift(plan) == 30
