@@ -178,10 +178,11 @@ def bench(
                                "(and at least 0.3 s of them)."),
     quick: bool = typer.Option(False, help="Small shapes (2 x 256 decode, 1 x 128 prefill; 8/2 heads)."),
     groups: str | None = typer.Option(None, help="CUDA only: case groups to time, comma-separated, of "
-                                      "decode, sweep, prefill, write, rotate (default: those of --phase)."),
+                                      "decode, sweep, prefill, prefill_sweep, write, rotate (default: those "
+                                      "of --phase)."),
     plot: Path | None = typer.Option(None, help="CUDA only: draw decode bandwidth against context length, "
-                                     "with the measured copy line, to this PNG (needs matplotlib: "
-                                     "pip install 'kvcupy[plot]')."),
+                                     "with the measured copy line, and prefill TFLOP/s against prompt "
+                                     "length, to this PNG (needs matplotlib: pip install 'kvcupy[plot]')."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Time paged decode and prefill for each KV dtype against NumPy dense attention.
@@ -225,16 +226,23 @@ def _bench_cuda(ctx: typer.Context, kv_dtype: KvDtype, phase: Phase, groups: str
                                         quick, **counts)
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="'--groups'") from None
-    if plot is not None:
+    if plot is not None:   # before the run, not after it
+        if not any(group.kind == "decode" or group.sweep for group in config.groups):
+            raise typer.BadParameter("it draws the decode and prefill sweeps, and these groups time neither "
+                                     "(add sweep or prefill_sweep to --groups)", param_hint="'--plot'")
         try:
-            plot_module.require_matplotlib()   # before the run, not after it
+            plot_module.require_matplotlib()
         except ImportError as error:
             raise typer.BadParameter(str(error), param_hint="'--plot'") from None
     with render.progress_display(bench_cuda.total_steps(config), Console(stderr=True)) as display:
         report = bench_cuda.run_bench(config, bench_cuda.CudaRunner(), display.advance, display.status)
     _print_report(report, as_json, bench_cuda.tables)
     if plot is not None:
-        written = plot_module.plot_bandwidth(report, plot)
+        try:
+            written = plot_module.plot_report(report, plot)
+        except ValueError as error:   # every case of both sweeps failed or was skipped
+            Console(stderr=True).print(f"no plot: {error}", markup=False, highlight=False)
+            raise typer.Exit(1) from None
         Console(stderr=True).print(f"plot: {written}", markup=False, highlight=False)
 
 

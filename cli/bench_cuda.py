@@ -13,7 +13,9 @@ and, beside it:
 
 Groups: decode (batch 32 x 32768, 32/8 heads, d = 128 and 96; 32 x 8192;
 8 x 32768), the decode sweep over context lengths that `--plot` draws, causal
-prefill, the write path (`reshape_and_cache`) and `rotate`.
+prefill, the prefill sweep over prompt lengths (16384 tokens a batch, as
+FlashAttention's benchmarks count them) that `--plot` draws too, the write
+path (`reshape_and_cache`) and `rotate`.
 
 Accounting. TB/s = bytes the case must read and write / median time.
 Attention must read every cached token's K and V once, scales included
@@ -86,8 +88,8 @@ DEFAULT_REPEATS = {"decode": 30, "prefill": 10, "write": 30, "rotate": 30}
 DEFAULT_ROUNDS = 3
 DEFAULT_WARMUP = 5
 
-GROUP_KINDS = ("decode", "sweep", "prefill", "write", "rotate")
-KINDS_OF_PHASE = {"all": GROUP_KINDS, "decode": ("decode", "sweep"), "prefill": ("prefill",)}
+GROUP_KINDS = ("decode", "sweep", "prefill", "prefill_sweep", "write", "rotate")
+KINDS_OF_PHASE = {"all": GROUP_KINDS, "decode": ("decode", "sweep"), "prefill": ("prefill", "prefill_sweep")}
 SHORT_NAMES = {"int4_per_token_head": "int4", "int8_per_token_head": "int8",
                "fp8_per_token_head": "fp8", "auto": "auto"}
 
@@ -114,7 +116,7 @@ class RotateShape:
 @dataclass(frozen=True)
 class Group:
     """Cases timed on one shape. kind: "decode", "prefill", "write" or "rotate";
-    sweep: a decode context length added for the --plot sweep."""
+    sweep: a decode context length or a prefill prompt length added for --plot's sweeps."""
 
     kind: str
     shape: Shape | WriteShape | RotateShape
@@ -173,14 +175,24 @@ class Sizes:
     sweep: Shape                    # geometry of the sweep; its seq_len is unused
     sweep_seq_lens: tuple[int, ...]
     prefill: tuple[Shape, ...]
+    prefill_sweep: Shape            # geometry of the prefill sweep; num_seqs and seq_len unused
+    prefill_sweep_seq_lens: tuple[int, ...]
+    prefill_sweep_tokens: int       # prompts a length: this many tokens / the length (at least one)
     write: tuple[WriteShape, ...]
     rotate: tuple[RotateShape, ...]
+
+    def prefill_sweep_shape(self, seq_len: int) -> Shape:
+        geometry = self.prefill_sweep
+        return Shape("prefill", max(1, self.prefill_sweep_tokens // seq_len), seq_len, geometry.num_heads,
+                     geometry.num_kv_heads, geometry.head_size)
 
 
 FULL_SIZES = Sizes(
     decode=(DECODE_MAIN, DECODE_D96, DECODE_SHORT, DECODE_FEW),
     sweep=DECODE_MAIN, sweep_seq_lens=tuple(1024 << k for k in range(8)),   # 1k .. 128k
     prefill=(PREFILL_MAIN, PREFILL_D96, Shape("prefill", 1, 2048, 32, 8, 128), PREFILL_SHORT),
+    prefill_sweep=PREFILL_MAIN, prefill_sweep_seq_lens=tuple(512 << k for k in range(6)),   # 512 .. 16k
+    prefill_sweep_tokens=16384,
     write=(WRITE_MAIN,),
     rotate=tuple(RotateShape(1 << 20, d) for d in ROTATE_HEAD_SIZES))
 # A smoke test: every path, small shapes, seconds.
@@ -188,6 +200,7 @@ QUICK_SIZES = Sizes(
     decode=(Shape("decode", 4, 2048, 8, 2, 128), Shape("decode", 4, 2048, 8, 2, 96)),
     sweep=Shape("decode", 4, 2048, 8, 2, 128), sweep_seq_lens=(512, 2048, 8192),
     prefill=(Shape("prefill", 2, 512, 8, 2, 128),),
+    prefill_sweep=Shape("prefill", 2, 512, 8, 2, 128), prefill_sweep_seq_lens=(128, 256), prefill_sweep_tokens=512,
     write=(WriteShape(2048, 2, 128),),
     rotate=(RotateShape(1 << 14, 64), RotateShape(1 << 14, 96)))
 
@@ -199,7 +212,7 @@ def sweep_kv_dtypes(kv_dtypes: tuple[str, ...]) -> tuple[str, ...]:
 
 def plan_groups(kinds: tuple[str, ...], kv_dtypes: tuple[str, ...], sizes: Sizes) -> tuple[Group, ...]:
     """The groups of `kinds` (GROUP_KINDS), in run order. A sweep length that a
-    decode group already times is not timed twice."""
+    decode (prefill) group already times is not timed twice."""
     groups = []
     if "decode" in kinds:
         groups += [Group("decode", shape, kv_dtypes) for shape in sizes.decode]
@@ -212,6 +225,12 @@ def plan_groups(kinds: tuple[str, ...], kv_dtypes: tuple[str, ...], sizes: Sizes
                 groups.append(Group("decode", shape, sweep_kv_dtypes(kv_dtypes), sweep=True))
     if "prefill" in kinds:
         groups += [Group("prefill", shape, kv_dtypes) for shape in sizes.prefill]
+    if "prefill_sweep" in kinds:
+        timed = {group.shape for group in groups}
+        for seq_len in sizes.prefill_sweep_seq_lens:
+            shape = sizes.prefill_sweep_shape(seq_len)
+            if shape not in timed:
+                groups.append(Group("prefill", shape, sweep_kv_dtypes(kv_dtypes), sweep=True))
     if "write" in kinds:
         groups += [Group("write", shape, kv_dtypes) for shape in sizes.write]
     if "rotate" in kinds:
@@ -336,6 +355,7 @@ class BenchConfig:
     rounds: int
     warmup: int
     sweep: dict                # the sweep's geometry, for the report and the plot
+    prefill_sweep: dict        # the prefill sweep's, likewise
 
 
 def parse_groups(text: str) -> tuple[str, ...]:
@@ -362,9 +382,14 @@ def make_config(phase: str, groups: str | None, kv_dtypes: tuple[str, ...], quic
     sweep = {"num_seqs": sizes.sweep.num_seqs, "num_heads": sizes.sweep.num_heads,
              "num_kv_heads": sizes.sweep.num_kv_heads, "head_size": sizes.sweep.head_size,
              "seq_lens": list(sizes.sweep_seq_lens), "kv_dtypes": list(sweep_kv_dtypes(kv_dtypes))}
+    prefill_sweep = {"tokens": sizes.prefill_sweep_tokens, "num_heads": sizes.prefill_sweep.num_heads,
+                     "num_kv_heads": sizes.prefill_sweep.num_kv_heads, "head_size": sizes.prefill_sweep.head_size,
+                     "seq_lens": list(sizes.prefill_sweep_seq_lens),
+                     "num_seqs": [sizes.prefill_sweep_shape(n).num_seqs for n in sizes.prefill_sweep_seq_lens],
+                     "kv_dtypes": list(sweep_kv_dtypes(kv_dtypes))}
     return BenchConfig(plan_groups(kinds, kv_dtypes, sizes), counts,
                        DEFAULT_ROUNDS if rounds is None else rounds,
-                       DEFAULT_WARMUP if warmup is None else warmup, sweep)
+                       DEFAULT_WARMUP if warmup is None else warmup, sweep, prefill_sweep)
 
 
 def total_steps(config: BenchConfig) -> int:
@@ -532,7 +557,8 @@ def run_bench(config: BenchConfig, runner: Runner, progress: Progress, status: P
                        "repeats": config.repeats, "rounds": config.rounds,
                        "queued_behind_hold": True, "l2_rotate_factor": L2_ROTATE_FACTOR,
                        "case_budget_s": CASE_BUDGET_S},
-            "sweep": config.sweep, "groups": groups, "targets": evaluate_targets(groups)}
+            "sweep": config.sweep, "prefill_sweep": config.prefill_sweep, "groups": groups,
+            "targets": evaluate_targets(groups)}
 
 
 # --- the issue's targets ------------------------------------------------------

@@ -1,11 +1,14 @@
-"""`kvcupy bench --backend cuda --plot PATH`: effective bandwidth against context length.
+"""`kvcupy bench --backend cuda --plot PATH`: the bench's two sweeps, drawn.
 
-Reads the report `bench_cuda.run_bench` builds (the same numbers as --json):
-the decode groups of the sweep's geometry, one line per series (kvcupy at
-the sweep's KV dtypes, dense bf16 SDPA, the streaming kernel at its fastest
-split count, and the device-to-device copy of the same bytes: the measured
-copy-bandwidth line). matplotlib is an optional extra (`pip install
-'kvcupy[plot]'`), imported only here.
+Reads the report `bench_cuda.run_bench` builds (the same numbers as --json).
+Decode: effective bandwidth against context length, the decode groups of the
+sweep's geometry, one line per series (kvcupy at the sweep's KV dtypes, dense
+bf16 SDPA, the streaming kernel at its fastest split count, and the
+device-to-device copy of the same bytes: the measured copy-bandwidth line).
+Prefill: TFLOP/s against prompt length, the causal prefill groups of the
+prefill sweep's geometry (a fixed number of tokens a batch), kvcupy beside
+each SDPA backend. A report with one sweep gets one panel. matplotlib is an
+optional extra (`pip install 'kvcupy[plot]'`), imported only here.
 """
 
 from __future__ import annotations
@@ -58,31 +61,84 @@ def bandwidth_series(report: dict) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
-def plot_bandwidth(report: dict, path: Path | str) -> Path:
-    """Draw bandwidth_series to `path` (a PNG, or any format matplotlib infers from the suffix)."""
+def _prefill_sweep_groups(report: dict) -> list[dict]:
+    """The causal prefill groups of the prefill sweep's geometry (its lengths at its
+    tokens a batch, whether timed for the sweep or as one of the main shapes)."""
+    sweep = report.get("prefill_sweep")
+    if not sweep:
+        return []
+    geometry = ("num_heads", "num_kv_heads", "head_size")
+
+    def in_sweep(shape: dict) -> bool:
+        return (all(shape[key] == sweep[key] for key in geometry) and shape["seq_len"] in sweep["seq_lens"]
+                and shape["num_seqs"] == max(1, sweep["tokens"] // shape["seq_len"]))
+
+    return sorted((g for g in report["groups"] if g["kind"] == "prefill" and in_sweep(g["shape"])),
+                  key=lambda g: g["shape"]["seq_len"])
+
+
+def prefill_series(report: dict) -> dict[str, list[tuple[int, float]]]:
+    """label -> [(prompt length, TFLOP/s)], by increasing length; timed cases only."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    kv_dtypes = report["prefill_sweep"]["kv_dtypes"] if _prefill_sweep_groups(report) else []
+    for group in _prefill_sweep_groups(report):
+        seq_len = group["shape"]["seq_len"]
+        for record in group["cases"]:
+            wanted = record["impl"] == "sdpa" or (record["impl"] == "kvcupy" and record["kv_dtype"] in kv_dtypes)
+            if wanted and record["status"] == "ok" and record.get("tflop_per_s") is not None:
+                label = record["name"] + (f", dense {report['model_dtype']}" if record["impl"] == "sdpa" else "")
+                series.setdefault(label, []).append((seq_len, record["tflop_per_s"]))
+    return series
+
+
+def _length_ticks(axes, seq_lens: list[int]) -> None:
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(seq_lens, [f"{n // 1024}k" if n >= 1024 else str(n) for n in seq_lens])
+    axes.set_ylim(bottom=0)
+    axes.grid(True, which="major", alpha=0.3)
+    axes.legend(fontsize="small", loc="best")
+
+
+def _draw_series(axes, series: dict[str, list[tuple[int, float]]], styles: dict) -> None:
+    for label, points in series.items():
+        line, marker = styles.get(label.split()[0].rstrip(","), ("-", "o"))
+        seq_lens, rates = zip(*points)
+        axes.plot(seq_lens, rates, linestyle=line, marker=marker, label=label)
+
+
+def plot_report(report: dict, path: Path | str) -> Path:
+    """Draw the report's sweeps to `path` (a PNG, or any format matplotlib infers
+    from the suffix): decode bandwidth and prefill TFLOP/s, a panel each that the
+    report holds. ValueError when it holds neither."""
     require_matplotlib()
     # The object-oriented API: no pyplot, no global backend choice, no display needed.
     from matplotlib.figure import Figure
 
-    sweep, device = report["sweep"], report["device"]
-    figure = Figure(figsize=(8, 5), layout="constrained")
-    axes = figure.subplots()
-    styles = {"kvcupy": ("-", "o"), "torch": ("-", "s"), "stream": (":", "^"), "copy": ("--", "")}
-    for label, points in bandwidth_series(report).items():
-        line, marker = styles.get(label.split()[0].rstrip(","), ("-", "o"))
-        seq_lens, rates = zip(*points)
-        axes.plot(seq_lens, rates, linestyle=line, marker=marker, label=label)
-    axes.set_xscale("log", base=2)
-    seq_lens = sorted({g["shape"]["seq_len"] for g in _sweep_groups(report)})
-    axes.set_xticks(seq_lens, [f"{n // 1024}k" if n >= 1024 else str(n) for n in seq_lens])
-    axes.set_ylim(bottom=0)
-    axes.set_xlabel("context length (tokens per sequence)")
-    axes.set_ylabel("effective TB/s (bytes the case must move / median time)")
-    axes.set_title(f"decode: {sweep['num_seqs']} sequences, {sweep['num_heads']}/{sweep['num_kv_heads']} "
-                   f"heads, d = {sweep['head_size']}, block size {report['block_size']}; {device['name']}",
-                   fontsize="medium")
-    axes.grid(True, which="major", alpha=0.3)
-    axes.legend(fontsize="small", loc="best")
+    decode, prefill = bandwidth_series(report), prefill_series(report)
+    panels = [name for name, series in (("decode", decode), ("prefill", prefill)) if series]
+    if not panels:
+        raise ValueError("the report holds neither sweep: time the sweep or prefill_sweep groups")
+    device, block_size = report["device"]["name"], report["block_size"]
+    figure = Figure(figsize=(8, 5 * len(panels)), layout="constrained")
+    axes_of = dict(zip(panels, figure.subplots(len(panels), 1, squeeze=False)[:, 0]))
+    if "decode" in axes_of:
+        axes, sweep = axes_of["decode"], report["sweep"]
+        _draw_series(axes, decode, {"kvcupy": ("-", "o"), "torch": ("-", "s"), "stream": (":", "^"),
+                                    "copy": ("--", "")})
+        _length_ticks(axes, sorted({g["shape"]["seq_len"] for g in _sweep_groups(report)}))
+        axes.set_xlabel("context length (tokens per sequence)")
+        axes.set_ylabel("effective TB/s (bytes the case must move / median time)")
+        axes.set_title(f"decode: {sweep['num_seqs']} sequences, {sweep['num_heads']}/{sweep['num_kv_heads']} "
+                       f"heads, d = {sweep['head_size']}, block size {block_size}; {device}", fontsize="medium")
+    if "prefill" in axes_of:
+        axes, sweep = axes_of["prefill"], report["prefill_sweep"]
+        _draw_series(axes, prefill, {"kvcupy": ("-", "o"), "torch": ("--", "s")})
+        _length_ticks(axes, sorted({g["shape"]["seq_len"] for g in _prefill_sweep_groups(report)}))
+        axes.set_xlabel("prompt length (tokens per sequence; batch = tokens / length)")
+        axes.set_ylabel("TFLOP/s (causal: 4 d Hq per query and key it sees)")
+        axes.set_title(f"causal prefill: {sweep['tokens']} tokens a batch, {sweep['num_heads']}/"
+                       f"{sweep['num_kv_heads']} heads, d = {sweep['head_size']}, block size {block_size}; "
+                       f"{device}", fontsize="medium")
     path = Path(path)
     figure.savefig(path, dpi=120)
     return path

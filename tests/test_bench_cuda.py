@@ -183,13 +183,19 @@ def test_full_run_has_the_issues_shapes_and_a_sweep_without_duplicates():
     decode = [g.shape for g in groups if g.kind == "decode" and not g.sweep]
     assert decode == [DECODE_MAIN, DECODE_D96, Shape("decode", 32, 8192, 32, 8, 128),
                       Shape("decode", 8, 32768, 32, 8, 128)]
-    sweep = [g for g in groups if g.sweep]
+    sweep = [g for g in groups if g.sweep and g.kind == "decode"]
     # 8k and 32k are decode groups already, with every KV dtype.
     assert [g.shape.seq_len for g in sweep] == [1024, 2048, 4096, 16384, 65536, 131072]
     assert all(g.kv_dtypes == ("int4_per_token_head",) for g in sweep)
-    assert [g.shape for g in groups if g.kind == "prefill"] == [
+    assert [g.shape for g in groups if g.kind == "prefill" and not g.sweep] == [
         Shape("prefill", 4, 8192, 32, 8, 128), Shape("prefill", 4, 8192, 32, 8, 96),
         Shape("prefill", 1, 2048, 32, 8, 128), Shape("prefill", 64, 128, 32, 8, 128)]
+    # The prefill sweep: 16384 tokens a batch, 512 .. 16384 a prompt, int4 beside SDPA.
+    prefill_sweep = [g for g in groups if g.sweep and g.kind == "prefill"]
+    assert [(g.shape.num_seqs, g.shape.seq_len) for g in prefill_sweep] == [
+        (32, 512), (16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)]
+    assert all(g.kv_dtypes == ("int4_per_token_head",) and g.shape.num_heads == 32 and g.shape.head_size == 128
+               for g in prefill_sweep)
     assert [g.shape for g in groups if g.kind == "write"] == [WRITE_MAIN]
     assert [g.shape.head_size for g in groups if g.kind == "rotate"] == [64, 96, 128, 256]
 
@@ -216,6 +222,7 @@ def test_prefill_times_each_sdpa_backend():
     ("prefill", None, {"prefill"}),
     ("all", "write, rotate", {"write", "rotate"}),
     ("prefill", "sweep", {"decode"}),
+    ("all", "prefill_sweep", {"prefill"}),
 ])
 def test_phase_and_groups_choose_the_groups(phase, groups, kinds):
     config = bench_cuda.make_config(phase, groups, KV_DTYPES, True)
@@ -224,7 +231,7 @@ def test_phase_and_groups_choose_the_groups(phase, groups, kinds):
 
 def test_unknown_group_names_the_choices():
     with pytest.raises(ValueError, match="'decode,bogus' is not a comma-separated list of decode, sweep, "
-                                         "prefill, write, rotate"):
+                                         "prefill, prefill_sweep, write, rotate"):
         bench_cuda.parse_groups("decode,bogus")
 
 
@@ -311,7 +318,7 @@ def test_report_is_strict_json_with_every_group(fake_report):
     text = json.dumps(fake_report, allow_nan=False)
     assert json.loads(text) == fake_report
     assert set(fake_report) == {"backend", "device", "versions", "torch_unavailable", "model_dtype",
-                                "block_size", "timing", "sweep", "groups", "targets"}
+                                "block_size", "timing", "sweep", "prefill_sweep", "groups", "targets"}
     assert fake_report["backend"] == "cuda" and fake_report["model_dtype"] == "bfloat16"
     assert len(fake_report["groups"]) == len(full_config().groups)
     assert fake_report["timing"]["repeats"] == {"decode": 4, "prefill": 2, "write": 4, "rotate": 4}
@@ -411,10 +418,47 @@ def test_bandwidth_series_follow_the_sweep(fake_report):
     assert all(rate == pytest.approx(4.0) for _, rate in series["copy, same bytes as int4"])
 
 
+def test_prefill_series_follow_the_prefill_sweep(fake_report):
+    assert fake_report["prefill_sweep"] == {
+        "tokens": 16384, "num_heads": 32, "num_kv_heads": 8, "head_size": 128,
+        "seq_lens": [512 << k for k in range(6)], "num_seqs": [32, 16, 8, 4, 2, 1],
+        "kv_dtypes": ["int4_per_token_head"]}
+    series = plot.prefill_series(fake_report)
+    # cuDNN is skipped on the fake device: no line for it.
+    assert set(series) == {"kvcupy int4", "torch sdpa, dense bfloat16", "torch sdpa flash, dense bfloat16"}
+    for label, points in series.items():
+        assert [n for n, _ in points] == [512 << k for k in range(6)], label
+    group = group_of(fake_report, "prefill", Shape("prefill", 4, 4096, 32, 8, 128))
+    assert series["kvcupy int4"][3][1] == record_of(group, "kvcupy int4")["tflop_per_s"]
+
+
+def test_the_main_prefill_shapes_stay_out_of_the_prefill_sweep(fake_report):
+    """4 x 8192 is no point of the sweep (2 x 8192 is: 16384 tokens a batch)."""
+    lengths = [(g["shape"]["num_seqs"], g["shape"]["seq_len"]) for g in plot._prefill_sweep_groups(fake_report)]
+    assert (4, 8192) not in lengths and (2, 8192) in lengths
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
 def test_plot_writes_a_png(fake_report, tmp_path):
-    path = plot.plot_bandwidth(fake_report, tmp_path / "bandwidth.png")
+    path = plot.plot_report(fake_report, tmp_path / "sweeps.png")
     assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_plot_draws_the_one_sweep_a_report_has(fake_report, tmp_path, kind):
+    report = {**fake_report, "groups": [g for g in fake_report["groups"] if g["kind"] == kind]}
+    assert bool(plot.bandwidth_series(report)) == (kind == "decode")
+    assert bool(plot.prefill_series(report)) == (kind == "prefill")
+    assert plot.plot_report(report, tmp_path / f"{kind}.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_plot_of_no_sweep_says_so(fake_report, tmp_path):
+    report = {**fake_report, "groups": [g for g in fake_report["groups"] if g["kind"] == "write"]}
+    with pytest.raises(ValueError, match="the report holds neither sweep"):
+        plot.plot_report(report, tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
@@ -515,6 +559,27 @@ def test_cli_json_and_plot(fake_cuda, tmp_path):
     assert json.loads(result.stdout)["groups"]          # stdout holds the report alone
     assert f"plot: {path}" in plain_text(result.stderr)
     assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_cli_plot_of_the_prefill_phase(fake_cuda, tmp_path):
+    path = tmp_path / "prefill.png"
+    result = runner.invoke(app, ["bench", "--backend", "cuda", "--quick", "--phase", "prefill",
+                                 "--prefill-repeats", "2", "--rounds", "1", "--json", "--plot", str(path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(g["shape"]["num_seqs"], g["shape"]["seq_len"]) for g in report["groups"] if g["sweep"]] == [
+        (4, 128), (2, 256)]
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_plot_of_groups_without_a_sweep_is_refused_before_the_run(fake_cuda):
+    result = runner.invoke(app, ["bench", "--backend", "cuda", "--quick", "--groups", "write",
+                                 "--plot", "out.png"])
+    assert result.exit_code == 2, result.output
+    assert ("Invalid value for '--plot': it draws the decode and prefill sweeps, and these groups time "
+            "neither") in plain_text(result.stderr)
+    assert fake_cuda == []
 
 
 # --- the bench's kernels compile (NVRTC, no GPU) -----------------------------------
