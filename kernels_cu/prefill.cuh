@@ -275,7 +275,8 @@ struct Prefill {
   // Two consecutive elements of the caller's query (a pair never straddles a
   // row: head sizes are even; the host aligns rows to a pair).
   static __device__ __forceinline__ float2 query_pair(const Params& p, long long element) {
-    if (p.query_dtype == kDtypeF32) return *reinterpret_cast<const float2*>(static_cast<const float*>(p.query_in) + element);
+    if (p.query_dtype == kDtypeF32)
+      return *reinterpret_cast<const float2*>(static_cast<const float*>(p.query_in) + element);
     const u32 bits = *reinterpret_cast<const u32*>(static_cast<const u16*>(p.query_in) + element);
     return p.query_dtype == kDtypeF16 ? unpack_half2(bits) : unpack_bf162(bits);
   }
@@ -404,8 +405,9 @@ struct Prefill {
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
               const int channel = channel_of(16 * kc + 8 * h + 2 * t + j);
-              values[kc][h][r][j] =
-                  row_valid[r] && channel < p.head_size ? query_element(p, row_start[r] + channel) * p.query_factor : 0.f;
+              values[kc][h][r][j] = row_valid[r] && channel < p.head_size
+                                        ? query_element(p, row_start[r] + channel) * p.query_factor
+                                        : 0.f;
             }
       return;
     }
@@ -436,7 +438,8 @@ struct Prefill {
   // (the host's fragments staged in `scratch`, the block's query rows, no
   // longer read), and the rows written to `out` in its dtype. Every thread of
   // the block calls this.
-  static __device__ __forceinline__ void write_output(const Params& p, float (&out)[ND][4], const float (&running_max)[2],
+  static __device__ __forceinline__ void write_output(const Params& p, float (&out)[ND][4],
+                                                      const float (&running_max)[2],
                                                       const float (&running_sum)[2], float reference,
                                                       const float (&row_unscale)[2], int q_begin, int row_begin,
                                                       int kv_head, const bool (&row_valid)[2], u8* scratch) {
@@ -498,7 +501,8 @@ struct Prefill {
   }
 
   static __device__ __forceinline__ void store_output_pair(const Params& p, long long element, float v0, float v1) {
-    if (p.out_dtype == kDtypeF32) *reinterpret_cast<float2*>(static_cast<float*>(p.out) + element) = make_float2(v0, v1);
+    if (p.out_dtype == kDtypeF32)
+      *reinterpret_cast<float2*>(static_cast<float*>(p.out) + element) = make_float2(v0, v1);
     else if (p.out_dtype == kDtypeF16) *reinterpret_cast<u32*>(static_cast<u16*>(p.out) + element) = pack_half2(v0, v1);
     else *reinterpret_cast<u32*>(static_cast<u16*>(p.out) + element) = pack_bf162(v0, v1);
   }
