@@ -551,25 +551,18 @@ def test_cli_plot_without_matplotlib_is_refused_before_the_run(fake_cuda, monkey
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
-def test_cli_json_and_plot(fake_cuda, tmp_path):
-    path = tmp_path / "bandwidth.png"
-    result = runner.invoke(app, ["bench", "--backend", "cuda", "--quick", "--phase", "decode",
-                                 "--repeats", "2", "--rounds", "1", "--json", "--plot", str(path)])
+@pytest.mark.parametrize("phase, counts, sweep", [
+    ("decode", ["--repeats", "2"], [(4, 512), (4, 8192)]),               # 4 x 2048 is a decode group
+    ("prefill", ["--prefill-repeats", "2"], [(4, 128), (2, 256)]),       # 512 tokens a batch
+])
+def test_cli_json_and_plot(fake_cuda, tmp_path, phase, counts, sweep):
+    path = tmp_path / f"{phase}.png"
+    result = runner.invoke(app, ["bench", "--backend", "cuda", "--quick", "--phase", phase, *counts,
+                                 "--rounds", "1", "--json", "--plot", str(path)])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["groups"]          # stdout holds the report alone
+    report = json.loads(result.stdout)          # stdout holds the report alone
+    assert [(g["shape"]["num_seqs"], g["shape"]["seq_len"]) for g in report["groups"] if g["sweep"]] == sweep
     assert f"plot: {path}" in plain_text(result.stderr)
-    assert path.read_bytes()[:8] == PNG_MAGIC
-
-
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
-def test_cli_plot_of_the_prefill_phase(fake_cuda, tmp_path):
-    path = tmp_path / "prefill.png"
-    result = runner.invoke(app, ["bench", "--backend", "cuda", "--quick", "--phase", "prefill",
-                                 "--prefill-repeats", "2", "--rounds", "1", "--json", "--plot", str(path)])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
-    assert [(g["shape"]["num_seqs"], g["shape"]["seq_len"]) for g in report["groups"] if g["sweep"]] == [
-        (4, 128), (2, 256)]
     assert path.read_bytes()[:8] == PNG_MAGIC
 
 
