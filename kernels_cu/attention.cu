@@ -2,7 +2,8 @@
 // kvcupy/backends/cuda_attention.py, which chooses them):
 //   paged_attention: KVC_ATTN_KV (attention.cuh's KV_* codes), KVC_HEAD_PAD, KVC_HEADS
 //     (warps = KV heads per block), KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK;
-//   prefill_attention: KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, KVC_CHUNK;
+//   prefill_attention: KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, KVC_CHUNK,
+//     KVC_WGMMA;
 //   merge_splits: KVC_OUT_T; scale_query: KVC_IN_T.
 #include "attention.cuh"
 #include "prefill.cuh"
@@ -102,8 +103,13 @@ extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS, KVC_MIN_BLOCKS) pag
 #endif
 
 #ifdef KVC_PREFILL_KV
-// Prefill: KVC_WARPS warps of 16 query rows a block, one KV head (prefill.cuh).
-typedef Prefill<KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, KVC_CHUNK> PrefillKernel;
+#ifndef KVC_WGMMA
+#define KVC_WGMMA 0
+#endif
+// Prefill: KVC_WARPS warps of 16 query rows a block, one KV head (prefill.cuh);
+// KVC_WGMMA=1 (sm_90a builds): warpgroup products.
+typedef Prefill<KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, KVC_CHUNK, KVC_WGMMA != 0>
+    PrefillKernel;
 
 extern "C" __global__ void __launch_bounds__(32 * KVC_WARPS, KVC_MIN_BLOCKS) prefill_attention(KVC_ATTENTION_ARGS) {
   PrefillKernel::run(KVC_ATTENTION_PARAMS, block_shift);

@@ -24,6 +24,7 @@
 #pragma once
 
 #include "attention.cuh"
+#include "wgmma.cuh"
 
 namespace kvc_attn {
 
@@ -44,11 +45,21 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
   return r;
 }
 
-template <int KV, int HEAD_PAD, int WARPS, int TILE, int STAGES, int CHUNK>
+// WGMMA (sm_90a, quantized caches): each warpgroup's products are two wgmma
+// chains instead of one mma.sync chain a warp. The scores take the query rows
+// and the decoded keys from shared memory (descriptors), the output takes P from
+// registers and the decoded values from shared memory, so a tile's rows are
+// read once a warpgroup rather than once a warp. Decoded tiles and query rows
+// are then laid out as core matrices (wgmma.cuh), three decoded buffers deep:
+// a tile's score products run while the next tile is decoded, its output
+// products while the next barrier, copies and score products are issued.
+template <int KV, int HEAD_PAD, int WARPS, int TILE, int STAGES, int CHUNK, bool WGMMA = false>
 struct Prefill {
   static_assert(HEAD_PAD % 32 == 0 && HEAD_PAD <= 128, "head size class: 32 .. 128");
   static_assert(TILE % 16 == 0 && TILE <= 128, "tiles are whole 16-token k steps");
   static_assert(CHUNK == 1 || CHUNK == 4 || CHUNK == 8 || CHUNK == 16, "copy granule");
+  static_assert(!WGMMA || ((KV == KV_INT4 || KV == KV_INT8 || KV == KV_FP8) && WARPS % 4 == 0 && TILE % 32 == 0),
+                "wgmma: quantized caches, whole warpgroups, tiles of 32 .. 128 tokens");
   static constexpr int kThreads = 32 * WARPS;
   static constexpr int kRows = 16 * WARPS;          // query rows a block
   static constexpr int KC = HEAD_PAD / 16;          // k steps of the score product
@@ -70,14 +81,20 @@ struct Prefill {
   static constexpr int kRawTensorBytes = TILE * kRawStride;
   static constexpr int kRawScaleBytes = kQuantized ? TILE * 4 : 0;
   static constexpr int kStageBytes = 2 * kRawTensorBytes + 2 * kRawScaleBytes;
-  static constexpr int kDecodedTensorBytes = TILE * kDecodedStride;
+  // wgmma reads core matrices: no padding.
+  static constexpr int kDecodedTensorBytes = TILE * (WGMMA ? 2 * HEAD_PAD : kDecodedStride);
   // A decoded tile (quantized caches): K rows, V rows, then K and V scales as
-  // floats; two of them, the next tile decoded while this one is used.
+  // floats; two of them (the next tile decoded while this one is used), three
+  // with wgmma (and the one before still read by output products in flight).
+  static constexpr int kDecodedBuffers = WGMMA ? 3 : 2;
   static constexpr int kDecodedBufferBytes = 2 * kDecodedTensorBytes + 2 * TILE * 4;
-  static constexpr int kDecodedBytes = kQuantized ? 2 * kDecodedBufferBytes : 0;
-  // Query rows of a warp, high or low halves: 16 rows as decoded ones.
-  static constexpr int kQueryBytes = 16 * kDecodedStride;
-  static constexpr int kSharedBytes = STAGES * kStageBytes + kDecodedBytes + WARPS * 2 * kQueryBytes;
+  static constexpr int kDecodedBytes = kQuantized ? kDecodedBuffers * kDecodedBufferBytes : 0;
+  // Query rows of a warp, high or low halves: 16 rows as decoded ones. With
+  // wgmma, a warpgroup's 64 rows, one fp16 term (kQueryTerms: see run()).
+  static constexpr int kQueryTerms = WGMMA ? 1 : 2;
+  static constexpr int kQueryBytes = 16 * (WGMMA ? 2 * HEAD_PAD : kDecodedStride);
+  static constexpr int kWarpgroupQueryBytes = 4 * kQueryBytes;
+  static constexpr int kSharedBytes = STAGES * kStageBytes + kDecodedBytes + WARPS * kQueryTerms * kQueryBytes;
   // fp8 codes enter the products as e4m3 x 2^-8: the scales carry the 2^8.
   static constexpr float kCodeUnit = KV == KV_FP8 ? 256.f : 1.f;
 
@@ -137,6 +154,12 @@ struct Prefill {
     }
   }
 
+  // Where logical dim `dim` of decoded row `row` (K rows, then V rows) lies.
+  static __device__ __forceinline__ u8* decoded_at(u8* decoded, int row, int dim) {
+    if constexpr (WGMMA) return decoded + kvc_wgmma::core_offset(row, dim, HEAD_PAD);
+    return decoded + row * kDecodedStride + 2 * dim;
+  }
+
   // Raw stage -> decoded tile: K and V rows as fp16 (code - zero-point), and
   // the scales as floats (times the fp8 code unit). Each thread decodes a run
   // of consecutive words of one row (a whole row with 4 warps and 64-token
@@ -153,7 +176,6 @@ struct Prefill {
       constexpr int kVector = kRun % 4 == 0 ? 4 : kRun % 2 == 0 ? 2 : 1;
       const int first = threadIdx.x * kRun;
       const int row = first / kWordsPerRow, word0 = first - row * kWordsPerRow;
-      u8* const at = decoded + row * kDecodedStride;   // K then V rows: kDecodedTensorBytes = TILE rows
       // int4: nibble c under 0x6400 is 1024 + c (low nibble) or 1024 + 16 c (high
       // nibble, not shifted down): add -(1024 + zp), or scale by 1/16 and add
       // -(64 + zp); both exact. fp16 bits of -(1024 + zp): 0xE400 + zp (the ulp
@@ -187,7 +209,7 @@ struct Prefill {
           out.y = hfma2(lop_and_or(code, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 1, 5
           out.z = hfma2(lop_and_or(shifted, 0x000F000Fu, 0x64006400u), kOne, low_bias);       // 2, 6
           out.w = hfma2(lop_and_or(shifted, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 3, 7
-          *reinterpret_cast<uint4*>(at + 16 * word) = out;
+          *reinterpret_cast<uint4*>(decoded_at(decoded, row, 8 * word)) = out;
         } else {
           uint2 out;
           if constexpr (KV == KV_INT8) {
@@ -199,7 +221,7 @@ struct Prefill {
             out.x = fp8_pair(prmt(code, 0u, 0x1404u));
             out.y = fp8_pair(prmt(code, 0u, 0x3424u));
           }
-          *reinterpret_cast<uint2*>(at + 8 * word) = out;
+          *reinterpret_cast<uint2*>(decoded_at(decoded, row, 4 * word)) = out;
         }
       }
       // Scales: int4's scale word carries the zero-point in its low 4 bits.
@@ -208,6 +230,7 @@ struct Prefill {
         const u32 bits = scale_words[c];
         scales[c] = __uint_as_float(KV == KV_INT4 ? bits & ~0xFu : bits) * kCodeUnit;
       }
+      if constexpr (WGMMA) fence_proxy_async();   // the rows are wgmma operands next (async proxy)
     }
   }
 
@@ -219,6 +242,13 @@ struct Prefill {
                                                          const Params& p, int base, int t, int key_hi,
                                                          const int (&row_position)[2], const bool (&row_valid)[2],
                                                          const float (&row_unscale)[2], float (&tile_max)[2]) {
+    // Four independent chains a row (n odd or even, i odd or even), not one: a
+    // row's 16 maxima would otherwise wait on each other's latency.
+    float chain[2][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) chain[r][c] = -KVC_INFINITY;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       const float2 key_scale = kQuantized ? *reinterpret_cast<const float2*>(key_scales + 8 * n + 2 * t)
@@ -235,9 +265,13 @@ struct Prefill {
           if (!visible) z = -KVC_INFINITY;
         }
         score[n][i] = z;
-        tile_max[r] = fmaxf(tile_max[r], z);
+        float& link = chain[r][2 * (n & 1) + (i & 1)];
+        link = fmaxf(link, z);
       }
     }
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      tile_max[r] = fmaxf(tile_max[r], fmaxf(fmaxf(chain[r][0], chain[r][1]), fmaxf(chain[r][2], chain[r][3])));
   }
 
   // The P operand: p = 2^(z c - shift) (c = 2^-k log2 e) times V scale / R, as
@@ -248,6 +282,7 @@ struct Prefill {
                                                        float to_reference, const float (&exp_scale)[2],
                                                        const float (&shift)[2], int t, u32 (&p_high)[NT][2],
                                                        u32 (&p_low)[kBf16 ? NT : 1][2], float (&tile_sum)[2]) {
+    float chain[2][4] = {};   // four independent sums a row, as in row_unit_scores
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       float2 value_scale = kQuantized ? *reinterpret_cast<const float2*>(value_scales + 8 * n + 2 * t)
@@ -258,7 +293,7 @@ struct Prefill {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float prob = fast_exp2(fmaf(score[n][i], exp_scale[i >> 1], -shift[i >> 1]));
-        tile_sum[i >> 1] += prob;
+        chain[i >> 1][2 * (n & 1) + (i & 1)] += prob;
         w[i] = kQuantized ? prob * (i & 1 ? value_scale.y : value_scale.x) : prob;
         if (kQuantized && MASKED && prob == 0.f) w[i] = 0.f;
       }
@@ -270,6 +305,8 @@ struct Prefill {
         p_low[n][1] = pack(w[2] - h1.x, w[3] - h1.y);
       }
     }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) tile_sum[r] += (chain[r][0] + chain[r][1]) + (chain[r][2] + chain[r][3]);
   }
 
   // Two consecutive elements of the caller's query (a pair never straddles a
@@ -300,7 +337,7 @@ struct Prefill {
   // every thread of the block copying 16 bytes at a time. Read from there, a
   // warp's fragment is one conflict-free 8-byte access a lane.
   static constexpr int kFragmentBytes = HEAD_PAD * HEAD_PAD * 2;
-  static_assert(kFragmentBytes <= WARPS * 2 * kQueryBytes, "the fragments fit where the query rows go");
+  static_assert(kFragmentBytes <= WARPS * kQueryTerms * kQueryBytes, "the fragments fit where the query rows go");
   static __device__ __forceinline__ void stage_fragments(const uint2* from, u8* to) {
     const uint4* source = reinterpret_cast<const uint4*>(from);
     uint4* target = reinterpret_cast<uint4*>(to);
@@ -548,6 +585,12 @@ struct Prefill {
       min_position = min(min_position, __shfl_xor_sync(0xffffffffu, min_position, offset));
       max_position = max(max_position, __shfl_xor_sync(0xffffffffu, max_position, offset));
     }
+    if constexpr (WGMMA) {   // a warpgroup's products are one instruction: it skips tiles as a whole
+      const int group_begin = block_row_begin + 64 * (warp >> 2);
+      const int group_last = min(group_begin + 64, total_rows) - 1;
+      min_position = context + group_begin / p.group;
+      max_position = group_last >= group_begin ? context + group_last / p.group : -1;
+    }
 
     // The first tiles' copies go out before the query is read: the two
     // latencies overlap (a short prompt's block sees only a tile or two).
@@ -575,7 +618,8 @@ struct Prefill {
     // row is scaled by a power of two that brings its largest |q| near 2^14
     // (exact), undone on the scores. Lane (g, t) loads rows g and g + 8, dims
     // 16 kc + 8 h + 2t (+1): the pairs of the A fragments it will hold.
-    u8* const query_rows = smem + STAGES * kStageBytes + kDecodedBytes + warp * 2 * kQueryBytes;
+    u8* const query_rows = smem + STAGES * kStageBytes + kDecodedBytes +
+                           (WGMMA ? (warp >> 2) * kWarpgroupQueryBytes : warp * 2 * kQueryBytes);
     float row_unscale[2];
     {
       float values[KC][2][2][2];   // [kc][h][r][j]
@@ -600,12 +644,19 @@ struct Prefill {
             const float v0 = values[kc][h][r][0] * up, v1 = values[kc][h][r][1] * up;
             const u32 high = pack(v0, v1);
             const float2 rounded = unpack(high);
-            u8* at = query_rows + (g + 8 * r) * kDecodedStride + 2 * (16 * kc + 8 * h + 2 * t);
-            *reinterpret_cast<u32*>(at) = high;
-            *reinterpret_cast<u32*>(at + kQueryBytes) = pack(v0 - rounded.x, v1 - rounded.y);
+            const int dim = 16 * kc + 8 * h + 2 * t;
+            if constexpr (WGMMA) {   // the warpgroup's rows as core matrices, the high part alone
+              *reinterpret_cast<u32*>(query_rows + kvc_wgmma::core_offset(16 * (warp & 3) + g + 8 * r, dim,
+                                                                          HEAD_PAD)) = high;
+            } else {
+              u8* at = query_rows + (g + 8 * r) * kDecodedStride + 2 * dim;
+              *reinterpret_cast<u32*>(at) = high;
+              *reinterpret_cast<u32*>(at + kQueryBytes) = pack(v0 - rounded.x, v1 - rounded.y);
+            }
           }
         }
       }
+      if constexpr (WGMMA) fence_proxy_async();   // read by wgmma after the loop's first barrier
       __syncwarp();
     }
     const float exp_scale[2] = {row_unscale[0] * kLog2e, row_unscale[1] * kLog2e};
@@ -636,17 +687,18 @@ struct Prefill {
         stage_tile(p, smem, next % STAGES, kv_head, next_base, key_lo, key_hi, block_shift, window);
       }
       cp_async_commit();   // (an empty group at the end keeps wait_group's count in step)
-      if (kQuantized && tile + 1 < num_tiles)
-        decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, decoded + ((tile + 1) & 1) * kDecodedBufferBytes);
-      const u8* keys = kQuantized ? decoded + (tile & 1) * kDecodedBufferBytes : smem + (tile % STAGES) * kStageBytes;
+      u8* const next_decoded = decoded + ((tile + 1) % kDecodedBuffers) * kDecodedBufferBytes;
+      if (!WGMMA && kQuantized && tile + 1 < num_tiles)
+        decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, next_decoded);
+      const u8* keys = kQuantized ? decoded + (tile % kDecodedBuffers) * kDecodedBufferBytes
+                                  : smem + (tile % STAGES) * kStageBytes;
       const u8* values = keys + (kQuantized ? kDecodedTensorBytes : kRawTensorBytes);
       const float* key_scales = reinterpret_cast<const float*>(keys + 2 * kDecodedTensorBytes);
       const float* value_scales = key_scales + TILE;
       const int base = key_lo + tile * TILE;
-      // Tiles no row of this warp sees (causal, window): nothing to do.
-      if (max_position < 0 || base > max_position ||
-          (p.window != 0 && base + TILE - 1 <= min_position - p.window))
-        continue;
+      // Tiles no row of this warp (warpgroup) sees (causal, window): nothing to do.
+      const bool unseen = max_position < 0 || base > max_position ||
+                          (p.window != 0 && base + TILE - 1 <= min_position - p.window);
 
       // Scores: thread (g, t) holds rows g (c0, c1) and g + 8 (c2, c3), tokens 8 n + 2t (+1).
       float score[NT][4];
@@ -654,8 +706,28 @@ struct Prefill {
       for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) score[n][i] = 0.f;
+      if constexpr (WGMMA) {
+        // Issued, then the next tile decoded while they run.
+        if (!unseen) {
+          kvc_wgmma::hold(score);
+          kvc_wgmma::fence();
+          // k step kc: dims 16 kc.., 256 bytes on (a descriptor counts 16-byte units).
+          const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
+          const kvc_wgmma::u64 key_operand = kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
 #pragma unroll
-      for (int kc = 0; kc < KC; kc += 2) {
+          for (int kc = 0; kc < KC; ++kc)
+            kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
+          kvc_wgmma::commit();
+        }
+        if (tile + 1 < num_tiles) decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, next_decoded);
+        kvc_wgmma::wait<0>();   // these scores, and the previous tile's output products
+        kvc_wgmma::hold(score);
+        kvc_wgmma::hold(out);
+        if (unseen) continue;
+      }
+      if (unseen) continue;
+#pragma unroll
+      for (int kc = 0; kc < KC && !WGMMA; kc += 2) {
         u32 q_high[2][4], q_low[2][4];
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
@@ -689,12 +761,13 @@ struct Prefill {
       // V scales of the tile: the new reference R.
       float tile_reference = reference;
       if constexpr (kQuantized) {
-        float largest = 0.f;
+        float chain[4] = {};   // independent chains, as in row_unit_scores
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           const float2 scale = *reinterpret_cast<const float2*>(value_scales + 8 * n + 2 * t);
-          largest = fmaxf(largest, fmaxf(scale.x, scale.y));
+          chain[n & 3] = fmaxf(chain[n & 3], fmaxf(scale.x, scale.y));
         }
+        float largest = fmaxf(fmaxf(chain[0], chain[1]), fmaxf(chain[2], chain[3]));
         largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
         largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
         tile_reference = fmaxf(reference, largest);
@@ -734,8 +807,20 @@ struct Prefill {
       }
 
       // Output: k step j is tokens 16 j .. 16 j + 15, i.e. score tiles 2j, 2j + 1.
+      if constexpr (WGMMA) {   // issued; waited for by the next tile's wait (or after the loop)
+        kvc_wgmma::hold(out);
+        kvc_wgmma::fence();
+        // B = V rows 16 j.. (K, tokens) x dims (N): core matrices 128 bytes apart along the dims.
+        const kvc_wgmma::u64 value_operand = kvc_wgmma::descriptor(values, 16 * HEAD_PAD, 128);
 #pragma unroll
-      for (int j = 0; j < TILE / 16; ++j) {
+        for (int j = 0; j < TILE / 16; ++j) {
+          const u32 a_high[4] = {p_high[2 * j][0], p_high[2 * j][1], p_high[2 * j + 1][0], p_high[2 * j + 1][1]};
+          kvc_wgmma::Products<HEAD_PAD>::rs_mn(out, a_high, value_operand + 2 * j * HEAD_PAD);   // 32 j HEAD_PAD bytes
+        }
+        kvc_wgmma::commit();
+      }
+#pragma unroll
+      for (int j = 0; j < TILE / 16 && !WGMMA; ++j) {
         const u32 a_high[4] = {p_high[2 * j][0], p_high[2 * j][1], p_high[2 * j + 1][0], p_high[2 * j + 1][1]};
         u32 a_low[4];
         if constexpr (kBf16) {
@@ -756,6 +841,10 @@ struct Prefill {
           }
         }
       }
+    }
+    if constexpr (WGMMA) {
+      kvc_wgmma::wait<0>();
+      kvc_wgmma::hold(out);
     }
     cp_async_wait<0>();
 

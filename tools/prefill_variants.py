@@ -8,6 +8,7 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
   "tile", "warps", "min_blocks": the prefill kernel's tokens a tile, warps a block and
                 __launch_bounds__ minimum blocks, forced (cuda_attention.PREFILL_*)
   "defines":    extra -D defines
+  "wgmma":      false: the mma.sync build on sm_90 too (cuda_attention.PREFILL_WGMMA)
   "rotation":   the caches' rotation kind (default "none"; the bench's caches use "blockdiag")
 SHAPES is a JSON list of [sequences, context, new tokens] (default [[4, 8192, 8192]]:
 the prefill target's causal prompt; [4, 32768, 2048] is its chunked prefill, 2048
@@ -80,12 +81,13 @@ def with_variant(variant: dict, run):
     """run() with the variant's planner constants, defines and sources, restored after."""
     saved = (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS,
              cuda_attention.PrefillKernel.__init__.__defaults__, cuda_attention.PrefillKernel.defines,
-             os.environ.get(jit.SOURCE_DIR_ENV))
+             cuda_attention.PREFILL_WGMMA, os.environ.get(jit.SOURCE_DIR_ENV))
     plain_defines = saved[3].fget
     cuda_attention.PREFILL_TILE = variant.get("tile", cuda_attention.PREFILL_TILE)
     cuda_attention.PREFILL_MIN_BLOCKS = variant.get("min_blocks", cuda_attention.PREFILL_MIN_BLOCKS)
+    cuda_attention.PREFILL_WGMMA = variant.get("wgmma", cuda_attention.PREFILL_WGMMA)
     if "warps" in variant:
-        cuda_attention.PrefillKernel.__init__.__defaults__ = (variant["warps"],)
+        cuda_attention.PrefillKernel.__init__.__defaults__ = (variant["warps"], *saved[2][1:])
     cuda_attention.PrefillKernel.defines = property(lambda k: {**plain_defines(k), **variant.get("defines", {})})
     if "src" in variant:
         os.environ[jit.SOURCE_DIR_ENV] = variant["src"]
@@ -93,7 +95,8 @@ def with_variant(variant: dict, run):
         return run()
     finally:
         (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS,
-         cuda_attention.PrefillKernel.__init__.__defaults__, cuda_attention.PrefillKernel.defines, source) = saved
+         cuda_attention.PrefillKernel.__init__.__defaults__, cuda_attention.PrefillKernel.defines,
+         cuda_attention.PREFILL_WGMMA, source) = saved
         if source is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
         else:

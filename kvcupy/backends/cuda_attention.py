@@ -64,6 +64,9 @@ PREFILL_TILE = 64
 PREFILL_STAGES = 3          # raw stages of quantized caches (besides two decoded tiles)
 PREFILL_AUTO_STAGES = 2     # fp16 / bf16 rows, 4x the bytes of int4 ones, read in place
 PREFILL_MIN_BLOCKS = 1      # 8 warps a multiprocessor: no spills (`kvcupy check --all`)
+# Quantized caches on sm_90 take the warpgroup (wgmma, sm_90a) build of the prefill
+# kernel; False keeps the mma.sync build everywhere (the tests run both on Hopper).
+PREFILL_WGMMA = True
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ class PrefillKernel:
     tile: int
     chunk: int
     warps: int = PREFILL_WARPS
+    wgmma: bool = False   # warpgroup products (sm_90a only; quantized caches)
 
     entry = "prefill_attention"
     kv_heads_per_block = 1
@@ -160,21 +164,29 @@ class PrefillKernel:
         return max(1, min(PREFILL_MIN_BLOCKS, SHARED_BYTES_PER_SM // self.shared_bytes))
 
     @property
+    def arch(self) -> str | None:
+        """The arch to compile for: sm_90a for wgmma, else the device's own."""
+        return "sm_90a" if self.wgmma else None
+
+    @property
     def defines(self) -> dict:
-        return {"KVC_PREFILL_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_WARPS": self.warps,
-                "KVC_TILE": self.tile, "KVC_STAGES": self.stages, "KVC_CHUNK": self.chunk,
-                "KVC_MIN_BLOCKS": self.blocks_per_sm}
+        defines = {"KVC_PREFILL_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_WARPS": self.warps,
+                   "KVC_TILE": self.tile, "KVC_STAGES": self.stages, "KVC_CHUNK": self.chunk,
+                   "KVC_MIN_BLOCKS": self.blocks_per_sm}
+        return {**defines, "KVC_WGMMA": 1} if self.wgmma else defines
 
     @property
     def shared_bytes(self) -> int:
         """prefill.cuh's Prefill::kSharedBytes (the same arithmetic)."""
         bits = 4 if self.kv == KV_INT4 else 8 if self.quantized else 16
         decoded_stride = 2 * self.head_pad + 16
+        row = 2 * self.head_pad if self.wgmma else decoded_stride   # wgmma: unpadded core matrices
         raw_stride = self.head_pad * bits // 8 if self.quantized else decoded_stride
         scales = 4 * self.tile if self.quantized else 0
         stage = 2 * self.tile * raw_stride + 2 * scales
-        decoded = 2 * (2 * self.tile * decoded_stride + 2 * 4 * self.tile) if self.quantized else 0   # two buffers
-        queries = self.warps * 2 * 16 * decoded_stride
+        buffers = 3 if self.wgmma else 2
+        decoded = buffers * (2 * self.tile * row + 2 * 4 * self.tile) if self.quantized else 0
+        queries = self.warps * (1 if self.wgmma else 2) * 16 * row   # query terms: wgmma takes one
         return self.stages * stage + decoded + queries
 
 
@@ -349,7 +361,8 @@ class Plan:
         call then does no compile-cache work)."""
         key = (name, tuple(sorted(defines.items())))
         if key not in self.functions:
-            function = jit.get_function("attention", name, defines)
+            arch = getattr(self.kernel, "arch", None) if name == self.kernel.entry else None
+            function = jit.get_function("attention", name, defines, arch)
             if name == self.kernel.entry:
                 function.max_dynamic_shared_size_bytes = self.kernel.shared_bytes
             self.functions[key] = function
@@ -367,10 +380,12 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
     offsets = batch.host_query_offsets
     query_lens = None if offsets is None else np.diff(offsets)
     max_rows = group * (int(query_lens.max(initial=1)) if query_lens is not None else num_query_tokens)
-    kernel = _choose_kernel(cache, kv, max_rows, _compute_capability(device))
+    capability = _compute_capability(device)
+    kernel = _choose_kernel(cache, kv, max_rows, capability)
     if max_rows >= PREFILL_MIN_ROWS and kernel.head_pad <= PREFILL_MAX_HEAD_PAD:
         stored_row = _stored_row_bytes(cache, kv)
-        kernel = PrefillKernel(kv, kernel.head_pad, PREFILL_TILE, _copy_granule(cache, stored_row))
+        wgmma = PREFILL_WGMMA and capability == 90 and kv in (KV_INT4, KV_INT8, KV_FP8)
+        kernel = PrefillKernel(kv, kernel.head_pad, PREFILL_TILE, _copy_granule(cache, stored_row), wgmma=wgmma)
     rows_per_tile = kernel.rows_per_tile
     if query_lens is not None:
         row_tiles = -(-query_lens * group // rows_per_tile)
