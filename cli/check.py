@@ -72,7 +72,7 @@ def run_check(arches: list[str], specs: list[Specialisation], jobs: int,
               advance: Callable[[str], None] = lambda description: None) -> dict:
     """Compile every specialisation for every arch, `jobs` at a time (NVRTC compiles
     distinct programs concurrently, and CuPy's binding releases the GIL around it)."""
-    work = [(spec, arch) for arch in arches for spec in specs]
+    work = [(spec, spec.target(arch)) for arch in arches for spec in specs if spec.target(arch)]
 
     def compile_and_report(item):
         outcome = _compile_one(*item)

@@ -18,7 +18,7 @@ so that a block reads whole cache rows), query rows per warp, tokens per
 pipeline stage. Prefill (a sequence bringing at least PREFILL_MIN_ROWS query
 rows per KV head, head sizes up to PREFILL_MAX_HEAD_PAD) takes prefill.cuh's:
 128 query rows of one KV head a block, each tile decoded once into shared
-memory. Either way the plan splits each sequence's keys across blocks
+memory; on sm_90, quantized caches take its wgmma build (compiled for sm_90a). Either way the plan splits each sequence's keys across blocks
 (split-KV) from the batch's shape and the GPU's multiprocessor count, and
 holds the device copies of the work list and the workspace, so a layer's
 call allocates nothing.
@@ -602,6 +602,8 @@ def specialisations(all: bool) -> list:
                         kernels += [Kernel(kv, head_pad, heads, quads, tile, 16, bulk) for bulk in stagings]
                 if head_pad <= PREFILL_MAX_HEAD_PAD:
                     kernels.append(PrefillKernel(kv, head_pad, PREFILL_TILE, 16))
+                    if kv in (KV_INT4, KV_INT8, KV_FP8):
+                        kernels.append(PrefillKernel(kv, head_pad, PREFILL_TILE, 16, wgmma=True))
     else:
         kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, True), Kernel(KV_INT4, 96, 8, 4, 32, 4),
                    Kernel(KV_INT4, 64, 2, 2, 32, 1), Kernel(KV_INT8, 256, 8, 2, 16, 16),
@@ -609,6 +611,11 @@ def specialisations(all: bool) -> list:
                    Kernel(KV_BF16, 96, 4, 2, 16, 8), Kernel(KV_BF16, 64, 4, 1, 16, 16),
                    PrefillKernel(KV_INT4, 128, PREFILL_TILE, 16), PrefillKernel(KV_INT8, 96, PREFILL_TILE, 4),
                    PrefillKernel(KV_FP8, 64, PREFILL_TILE, 16), PrefillKernel(KV_F16, 128, PREFILL_TILE, 16),
-                   PrefillKernel(KV_BF16, 32, PREFILL_TILE, 1)]
-    found += [Specialisation("attention", (kernel.entry,), kernel.defines) for kernel in kernels]
+                   PrefillKernel(KV_BF16, 32, PREFILL_TILE, 1),
+                   PrefillKernel(KV_INT4, 128, PREFILL_TILE, 16, wgmma=True),
+                   PrefillKernel(KV_FP8, 96, PREFILL_TILE, 4, wgmma=True)]
+    found += [Specialisation("attention", (kernel.entry,), kernel.defines, getattr(kernel, "arch", None))
+              for kernel in kernels]
+    # The wgmma operand-layout probes of tests/test_gpu_wgmma.py.
+    found.append(Specialisation("wgmma_check", ("wgmma_scores", "wgmma_values"), {}, "sm_90a"))
     return found

@@ -30,6 +30,13 @@ class Specialisation(NamedTuple):
     entry: str                   # kernels_cu/<entry>.cu
     functions: tuple[str, ...]   # its extern "C" kernels that the launcher gets
     defines: dict                # -D NAME=value, exactly as the launcher passes them to jit
+    arch: str | None = None      # an arch-specific target (sm_90a): built only for its base arch
+
+    def target(self, arch: str) -> str | None:
+        """The arch to build this for when the check asks for `arch`; None: not there."""
+        if self.arch is None:
+            return arch
+        return self.arch if self.arch.rstrip("a") == arch else None
 
 
 def selftest_specialisations(all: bool) -> list[Specialisation]:
