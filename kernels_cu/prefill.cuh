@@ -14,7 +14,8 @@
 // Scales stay out of the operands, as in the decode kernel: K's on the score
 // side, V's on the probability side (P x scale / R, R the largest V scale
 // seen so far, so that the fp16 operand stays in [0, 1]). The query enters as
-// a two-term fp16 split (q = hi + lo, ~22 bits), so each score is two mmas.
+// a two-term fp16 split (q = hi + lo, ~22 bits), so each score is two mmas;
+// the wgmma build (below) takes one term (tests/test_gpu_attention.py: the bound).
 // Auto caches (fp16 / bf16 rows) skip the decoding: warps read the staged
 // rows directly (bf16: P enters as a two-term split too, bf16 keeping 8 bits).
 //
@@ -723,7 +724,6 @@ struct Prefill {
         kvc_wgmma::wait<0>();   // these scores, and the previous tile's output products
         kvc_wgmma::hold(score);
         kvc_wgmma::hold(out);
-        if (unseen) continue;
       }
       if (unseen) continue;
 #pragma unroll
