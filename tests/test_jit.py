@@ -277,6 +277,26 @@ def test_check_command_reports_and_fails_with_the_log(kernels, monkeypatch):
     assert 'identifier "broken" is undefined' in failed.stdout
 
 
+def test_check_builds_arch_specific_kernels_for_their_base_arch_only(monkeypatch, cache_root):
+    """A specialisation that needs sm_90a (the prefill kernel's wgmma build) is built
+    for sm_90a when the check asks for sm_90, and not at all for sm_80."""
+    from typer.testing import CliRunner
+
+    from cli.app import app
+    from kvcupy.backends import cuda_specs
+
+    def wgmma_probe(all: bool):
+        return [cuda_specs.Specialisation("wgmma_check", ("wgmma_scores", "wgmma_values"), {}, "sm_90a")]
+
+    monkeypatch.setattr(cuda_specs, "FAMILIES", (cuda_specs.selftest_specialisations, wgmma_probe))
+    monkeypatch.setenv(jit.CACHE_DIR_ENV, str(cache_root))
+    monkeypatch.delenv(jit.SOURCE_DIR_ENV, raising=False)
+    passed = CliRunner().invoke(app, ["check", "--arch", "sm_80,sm_90", "--json"])
+    assert passed.exit_code == 0, passed.output
+    built = {(row["entry"], row["arch"]) for row in json.loads(passed.stdout)["results"]}
+    assert built == {("selftest", "sm_80"), ("selftest", "sm_90"), ("wgmma_check", "sm_90a")}
+
+
 # ---------------------------------------------------------------- an installed wheel
 
 def _source_names(folder: Path) -> set[str]:

@@ -18,7 +18,8 @@ so that a block reads whole cache rows), query rows per warp, tokens per
 pipeline stage. Prefill (a sequence bringing at least PREFILL_MIN_ROWS query
 rows per KV head, head sizes up to PREFILL_MAX_HEAD_PAD) takes prefill.cuh's:
 128 query rows of one KV head a block, each tile decoded once into shared
-memory; on sm_90, quantized caches take its wgmma build (compiled for sm_90a). Either way the plan splits each sequence's keys across blocks
+memory (on sm_90, quantized caches take its wgmma build, compiled for
+sm_90a). Either way the plan splits each sequence's keys across blocks
 (split-KV) from the batch's shape and the GPU's multiprocessor count, and
 holds the device copies of the work list and the workspace, so a layer's
 call allocates nothing.
@@ -61,7 +62,7 @@ PREFILL_MAX_HEAD_PAD = 128
 # int8 118 vs 72 and 108; int4 128 vs 133 and 105.
 PREFILL_WARPS = 8
 PREFILL_TILE = 64
-PREFILL_STAGES = 3          # raw stages of quantized caches (besides two decoded tiles)
+PREFILL_STAGES = 3          # raw stages of quantized caches (besides the decoded tiles)
 PREFILL_AUTO_STAGES = 2     # fp16 / bf16 rows, 4x the bytes of int4 ones, read in place
 PREFILL_MIN_BLOCKS = 1      # 8 warps a multiprocessor: no spills (`kvcupy check --all`)
 # Quantized caches on sm_90 take the warpgroup (wgmma, sm_90a) build of the prefill
