@@ -83,6 +83,7 @@ class Kernel:
     bulk: bool = False  # stage rows with sm_90's bulk copies (attention.cuh's KVC_BULK)
 
     entry = "paged_attention"
+    arch = None         # the device's own arch (PrefillKernel's wgmma build asks for sm_90a)
     kv_heads_per_block = property(lambda self: self.heads)
 
     @property
@@ -362,7 +363,7 @@ class Plan:
         call then does no compile-cache work)."""
         key = (name, tuple(sorted(defines.items())))
         if key not in self.functions:
-            arch = getattr(self.kernel, "arch", None) if name == self.kernel.entry else None
+            arch = self.kernel.arch if name == self.kernel.entry else None
             function = jit.get_function("attention", name, defines, arch)
             if name == self.kernel.entry:
                 function.max_dynamic_shared_size_bytes = self.kernel.shared_bytes
@@ -615,7 +616,7 @@ def specialisations(all: bool) -> list:
                    PrefillKernel(KV_BF16, 32, PREFILL_TILE, 1),
                    PrefillKernel(KV_INT4, 128, PREFILL_TILE, 16, wgmma=True),
                    PrefillKernel(KV_FP8, 96, PREFILL_TILE, 4, wgmma=True)]
-    found += [Specialisation("attention", (kernel.entry,), kernel.defines, getattr(kernel, "arch", None))
+    found += [Specialisation("attention", (kernel.entry,), kernel.defines, kernel.arch)
               for kernel in kernels]
     # The wgmma operand-layout probes of tests/test_gpu_wgmma.py.
     found.append(Specialisation("wgmma_check", ("wgmma_scores", "wgmma_values"), {}, "sm_90a"))
