@@ -18,8 +18,9 @@ using namespace kvc_attn;
       int head_size, int row_bytes, int block_size, int block_shift, int num_blocks, int table_width,        \
       int split_tokens, int window, float softcap, float code_unit, const void *query_in,                  \
       long long q_token_stride, long long q_head_stride, int query_dtype, const uint2 *rotation_fwd,        \
-      const uint2 *rotation_inv, int rotation_shift, float query_factor, float out_factor, void *out,       \
-      long long out_token_stride, long long out_head_stride, int out_dtype, const float *sinks, int direct
+      const uint2 *rotation_inv, int rotation_shift, int rotation_stages, float query_factor,              \
+      float out_factor, void *out, long long out_token_stride, long long out_head_stride, int out_dtype,    \
+      const float *sinks, int direct
 
 namespace {
 
@@ -73,6 +74,7 @@ __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
   p.rotation_fwd = rotation_fwd;
   p.rotation_inv = rotation_inv;
   p.rotation_shift = rotation_shift;
+  p.rotation_stages = rotation_stages;
   p.query_factor = query_factor;
   p.out_factor = out_factor;
   p.out = out;
@@ -89,7 +91,8 @@ __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
               tiles, part_out, part_stats, num_tokens, num_heads, group, head_size, row_bytes, block_size,     \
               block_shift, num_blocks, table_width, split_tokens, window, softcap, code_unit, query_in,        \
               q_token_stride, q_head_stride, query_dtype, rotation_fwd, rotation_inv, rotation_shift,          \
-              query_factor, out_factor, out, out_token_stride, out_head_stride, out_dtype, sinks, direct)
+              rotation_stages, query_factor, out_factor, out, out_token_stride, out_head_stride, out_dtype,    \
+              sinks, direct)
 
 }  // namespace
 

@@ -154,6 +154,8 @@ struct Params {
   const uint2* rotation_inv; // ... and of its inverse
   int rotation_shift;        // -1: no rotation; else log2 of the width of one independent
                              // block of fragments (cuda_attention.rotation_shift)
+  int rotation_stages;       // butterfly stages across 16-dim groups beside the fragments'
+                             // products (cuda_attention.rotation_stages)
   float query_factor;        // 1 / query_divisor: softmax scale / norm
   float out_factor;          // 1 / norm
   void* out;                 // [T, Hq, d] (out_dtype), written directly when `direct`

@@ -310,19 +310,62 @@ struct Prefill {
     for (int r = 0; r < 2; ++r) tile_sum[r] += (chain[r][0] + chain[r][1]) + (chain[r][2] + chain[r][3]);
   }
 
-  // Two consecutive elements of the caller's query (a pair never straddles a
-  // row: head sizes are even; the host aligns rows to a pair).
-  static __device__ __forceinline__ float2 query_pair(const Params& p, long long element) {
-    if (p.query_dtype == kDtypeF32)
-      return *reinterpret_cast<const float2*>(static_cast<const float*>(p.query_in) + element);
-    const u32 bits = *reinterpret_cast<const u32*>(static_cast<const u16*>(p.query_in) + element);
-    return p.query_dtype == kDtypeF16 ? unpack_half2(bits) : unpack_bf162(bits);
-  }
-
-  static __device__ __forceinline__ float query_element(const Params& p, long long element) {
-    if (p.query_dtype == kDtypeF32) return static_cast<const float*>(p.query_in)[element];
-    const u32 bits = static_cast<const u16*>(p.query_in)[element];
-    return p.query_dtype == kDtypeF16 ? unpack_half2(bits).x : unpack_bf162(bits).x;
+  // This lane's query elements of rows g (r = 0) and g + 8 (r = 1), logical
+  // dims 8 n + 2t + j, from the caller's query: raw[n][2 r + j], times `factor`;
+  // channel l for the rotation's products, channel_of(l) where the channels are
+  // read in place (CACHE_ORDER). Every load goes out before any value is used:
+  // a short prompt's block otherwise waits out one memory latency per branch.
+  template <bool CACHE_ORDER>
+  static __device__ __forceinline__ void load_query_elements(const Params& p, const long long (&row_start)[2],
+                                                             const bool (&row_valid)[2], float factor,
+                                                             float (&raw)[ND][4]) {
+    const int t = threadIdx.x & 3;
+    // int4's cache order splits a pair (channels t and t + 4 of a group of 8).
+    constexpr bool kSplitPairs = CACHE_ORDER && KV == KV_INT4;
+    if (p.query_dtype == kDtypeF32) {
+      const float* q = static_cast<const float*>(p.query_in);
+      float v[ND][4];
+#pragma unroll
+      for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int logical = 8 * n + 2 * t + (i & 1);
+          const int channel = CACHE_ORDER ? channel_of(logical) : logical;
+          const bool ok = row_valid[i >> 1] && channel < p.head_size;
+          v[n][i] = ok ? q[row_start[i >> 1] + channel] : 0.f;
+        }
+#pragma unroll
+      for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) raw[n][i] = v[n][i] * factor;
+      return;
+    }
+    const u16* q = static_cast<const u16*>(p.query_in);
+    u32 bits[ND][2];   // [n][r]: the pair (j = 0 low, j = 1 high)
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int logical = 8 * n + 2 * t;
+        if constexpr (kSplitPairs) {
+          const int c0 = channel_of(logical), c1 = channel_of(logical + 1);
+          const u32 lo = row_valid[r] && c0 < p.head_size ? q[row_start[r] + c0] : 0u;
+          const u32 hi = row_valid[r] && c1 < p.head_size ? q[row_start[r] + c1] : 0u;
+          bits[n][r] = lo | (hi << 16);
+        } else {   // a pair never straddles a row: head sizes are even, rows pair-aligned (host)
+          const bool ok = row_valid[r] && logical < p.head_size;
+          bits[n][r] = ok ? *reinterpret_cast<const u32*>(q + row_start[r] + logical) : 0u;
+        }
+      }
+    const bool f16 = p.query_dtype == kDtypeF16;
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float2 v = f16 ? unpack_half2(bits[n][r]) : unpack_bf162(bits[n][r]);
+        raw[n][2 * r] = v.x * factor;
+        raw[n][2 * r + 1] = v.y * factor;
+      }
   }
 
   // Whether the (k step, n tile) fragment of a rotation matrix can hold a
@@ -332,6 +375,10 @@ struct Prefill {
   static __device__ __forceinline__ bool fragment_used(int shift, int ks, int nt) {
     return (16 * ks) >> shift == (8 * nt) >> shift;
   }
+  // Fragments independent in 16-dim groups: a rotation whose blocks are 16 dims,
+  // or the factor beside the butterflies across groups (the host's rotation_stages).
+  // Those few fragments are read from global memory (L1) where they lie.
+  static constexpr int kGroupShift = 4;
 
   // The rotation's fragments (cuda_attention.rotation_fragments: [KC][ND][32
   // lanes] x 8 bytes, HEAD_PAD^2 x 2 bytes in all) into shared memory at `to`,
@@ -340,9 +387,21 @@ struct Prefill {
   static constexpr int kFragmentBytes = HEAD_PAD * HEAD_PAD * 2;
   static_assert(kFragmentBytes <= WARPS * kQueryTerms * kQueryBytes, "the fragments fit where the query rows go");
   static __device__ __forceinline__ void stage_fragments(const uint2* from, u8* to) {
+    constexpr int kWords = kFragmentBytes / 16;
+    constexpr int kRounds = (kWords + kThreads - 1) / kThreads;
     const uint4* source = reinterpret_cast<const uint4*>(from);
     uint4* target = reinterpret_cast<uint4*>(to);
-    for (int i = threadIdx.x; i < kFragmentBytes / 16; i += kThreads) target[i] = __ldg(source + i);
+    uint4 words[kRounds];   // every load out before the first store
+#pragma unroll
+    for (int i = 0; i < kRounds; ++i) {
+      const int at = threadIdx.x + i * kThreads;
+      if (at < kWords) words[i] = __ldg(source + at);
+    }
+#pragma unroll
+    for (int i = 0; i < kRounds; ++i) {
+      const int at = threadIdx.x + i * kThreads;
+      if (at < kWords) target[at] = words[i];
+    }
   }
 
   // The power of two that brings |x| <= m near 2^14 (fp16's range, exact to apply).
@@ -372,12 +431,36 @@ struct Prefill {
     }
   }
 
+  // The rotation's Sylvester factor across 16-dim groups: v <- v (H_{2^stages}
+  // (x) I_16) on every block of 2^stages x 16 logical dims (C-fragment order:
+  // tile n holds dims 8 n.., so group n >> 1). Logical and cache order share
+  // the groups (channel_of stays within 8 dims), so the factor is the same in
+  // both. Uniform across the block: `stages` comes from the host.
+  static __device__ __forceinline__ void butterflies_across_groups(float (&v)[ND][4], int stages) {
+#pragma unroll
+    for (int k = 0; (2 << k) < ND; ++k) {
+      if (k >= stages) break;
+      const int h = 2 << k;   // tiles between partners: groups 1 << k apart, two tiles a group
+#pragma unroll
+      for (int n = 0; n < ND; ++n) {
+        if ((n & h) || n + h >= ND) continue;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float a = v[n][i], b = v[n + h][i];
+          v[n][i] = a + b;
+          v[n + h][i] = a - b;
+        }
+      }
+    }
+  }
+
   // y = x M for this warp's 16 rows (x in C-fragment order, M's fragments in
-  // shared memory), each row times factor / up[r]; emit(n, y[4]) takes n tile
-  // n's C fragment as soon as it is done (x is dead by then: fewer registers).
+  // shared memory), each row times factor / up[r], then `stages` butterflies
+  // across groups (the forward rotation's order: M, then the Sylvester
+  // factor); emit(n, y[4]) takes n tile n's C fragment.
   template <class Emit>
   static __device__ __forceinline__ void rotate_rows(const float (&x)[ND][4], const u8* fragments, int shift,
-                                                     bool with_low, float factor, Emit emit) {
+                                                     int stages, bool with_low, float factor, Emit emit) {
     const int lane = threadIdx.x & 31;
     float largest[2] = {0.f, 0.f};
 #pragma unroll
@@ -389,42 +472,57 @@ struct Prefill {
     split_rows(x, up, high, low);
     const float scale[2] = {factor / up[0], factor / up[1]};
     const uint2* b = reinterpret_cast<const uint2*>(fragments) + lane;
+    float y[ND][4];
     // Four n tiles at a time: four independent accumulator chains keep the
     // tensor pipe busy where one chain would wait out every product's latency.
     static_assert(ND % 4 == 0, "whole groups of n tiles");
 #pragma unroll
     for (int n0 = 0; n0 < ND; n0 += 4) {
       float acc[4][4] = {};
-#pragma unroll
-      for (int ks = 0; ks < KC; ++ks) {
+      if (shift == kGroupShift) {   // n tile n meets k step n / 2 alone: no tests
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          if (!fragment_used(shift, ks, n0 + j)) continue;
+          const int ks = (n0 + j) >> 1;
           const uint2 fragment = b[(ks * ND + n0 + j) * 32];
           mma<false>(acc[j], high[ks], fragment.x, fragment.y);
           if (with_low) mma<false>(acc[j], low[ks], fragment.x, fragment.y);
         }
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < KC; ++ks) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (!fragment_used(shift, ks, n0 + j)) continue;
+            const uint2 fragment = b[(ks * ND + n0 + j) * 32];
+            mma<false>(acc[j], high[ks], fragment.x, fragment.y);
+            if (with_low) mma<false>(acc[j], low[ks], fragment.x, fragment.y);
+          }
+        }
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][i] *= scale[i >> 1];
-        emit(n0 + j, acc[j]);
-      }
+        for (int i = 0; i < 4; ++i) y[n0 + j][i] = acc[j][i] * scale[i >> 1];
     }
+    butterflies_across_groups(y, stages);
+#pragma unroll
+    for (int n = 0; n < ND; ++n) emit(n, y[n]);
   }
 
   // values[kc][h][r][j]: the query row g + 8 r of this warp, logical dim
   // 16 kc + 8 h + 2t + j, rotated into the cache's channel order and scaled
   // (softmax scale / norm), from the caller's query. A rotation is a product
   // with the host's matrix (entries 0 and +-1, exact in fp16; the query split
-  // into fp16 high and low parts, accumulated in fp32), staged in `scratch`
-  // (the block's query rows, written only after): every thread of the block
-  // calls this. Without a rotation the channels are read in place.
+  // into fp16 high and low parts, accumulated in fp32), then the butterflies
+  // across groups where the host factored those out (rotation_stages). The
+  // matrix's fragments are staged in `scratch` (the block's query rows, written
+  // only after), unless they fall in 16-dim groups: few, read where they lie.
+  // Every thread of the block calls this. Without a rotation the channels are
+  // read in place.
   static __device__ __forceinline__ void load_query(const Params& p, int q_begin, int row_begin, int kv_head,
                                                     const bool (&row_valid)[2], u8* scratch,
                                                     float (&values)[KC][2][2][2]) {
-    const int lane = threadIdx.x & 31, t = lane & 3;
+    const int lane = threadIdx.x & 31;
     long long row_start[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -433,42 +531,30 @@ struct Prefill {
                                         static_cast<long long>(kv_head * p.group + row % p.group) * p.q_head_stride
                                   : 0;
     }
+    float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), dim 8 n + 2t + i % 2
     if (p.rotation_shift < 0) {
+      load_query_elements<true>(p, row_start, row_valid, p.query_factor, raw);
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
+      for (int n = 0; n < ND; ++n)
 #pragma unroll
-        for (int kc = 0; kc < KC; ++kc)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const int channel = channel_of(16 * kc + 8 * h + 2 * t + j);
-              values[kc][h][r][j] = row_valid[r] && channel < p.head_size
-                                        ? query_element(p, row_start[r] + channel) * p.query_factor
-                                        : 0.f;
-            }
+        for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = raw[n][i];
       return;
     }
-    float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), channel 8 n + 2t + i % 2
-#pragma unroll
-    for (int n = 0; n < ND; ++n) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int channel = 8 * n + 2 * t;
-        const float2 v = row_valid[r] && channel < p.head_size ? query_pair(p, row_start[r] + channel)
-                                                               : make_float2(0.f, 0.f);
-        raw[n][2 * r] = v.x, raw[n][2 * r + 1] = v.y;
-      }
+    load_query_elements<false>(p, row_start, row_valid, 1.f, raw);
+    const u8* fragments = reinterpret_cast<const u8*>(p.rotation_fwd);
+    if (p.rotation_shift != kGroupShift) {
+      stage_fragments(p.rotation_fwd, scratch);
+      __syncthreads();
+      fragments = scratch;
     }
-    stage_fragments(p.rotation_fwd, scratch);
-    __syncthreads();
     // fp16 and bf16 queries are exact in the high part (row scaling included).
-    rotate_rows(raw, scratch, p.rotation_shift, p.query_dtype == kDtypeF32, p.query_factor,
+    rotate_rows(raw, fragments, p.rotation_shift, p.rotation_stages, p.query_dtype == kDtypeF32, p.query_factor,
                 [&](int n, const float (&y)[4]) {
 #pragma unroll
                   for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = y[i];
                 });
-    __syncthreads();   // every warp is done with the fragments: the query rows go there next
+    // Every warp done with the staged fragments: the query rows go there next.
+    if (p.rotation_shift != kGroupShift) __syncthreads();
   }
 
   // One split saw every key (`direct`): the merge's arithmetic for a single
@@ -521,10 +607,16 @@ struct Prefill {
       }
       return;
     }
-    __syncthreads();   // every warp is past its last ldmatrix of the query rows
-    stage_fragments(p.rotation_inv, scratch);
-    __syncthreads();
-    rotate_rows(out, scratch, p.rotation_shift, true, p.out_factor, [&](int n, const float (&y)[4]) {
+    const u8* fragments = reinterpret_cast<const u8*>(p.rotation_inv);
+    if (p.rotation_shift != kGroupShift) {
+      __syncthreads();   // every warp is past its last ldmatrix of the query rows
+      stage_fragments(p.rotation_inv, scratch);
+      __syncthreads();
+      fragments = scratch;
+    }
+    // The inverse rotation: the Sylvester factor across groups first, then the products.
+    butterflies_across_groups(out, p.rotation_stages);
+    rotate_rows(out, fragments, p.rotation_shift, 0, true, p.out_factor, [&](int n, const float (&y)[4]) {
       const int channel = 8 * n + 2 * t;
 #pragma unroll
       for (int r = 0; r < 2; ++r)

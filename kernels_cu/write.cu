@@ -48,20 +48,56 @@ __device__ __forceinline__ void load_vector(const Input* __restrict__ vector, in
     }
 }
 
+// The forward rotation's signs of this lane's values, set up once per thread:
+// for 16-bit inputs as one xor mask per input word (bits 15 and 31: the
+// words' two elements), applied before the widening; for float32 inputs as
+// sign bits per row (rotation.cuh, initial_signs), applied by widen.
+struct InputSigns {
+    static constexpr bool kPerWord = kInputSize == 2;
+    u32 words[kPerWord ? Layout::kRows * Words<kInputRunBytes>::count : 1];
+    u32 bits[Layout::kRows];
+
+    __device__ __forceinline__ InputSigns(const u32* __restrict__ rotation, int rank) {
+#if KVC_ROTATE
+        initial_signs<Layout>(rotation, rank, bits);
+#else
+#pragma unroll
+        for (int a = 0; a < Layout::kRows; ++a) bits[a] = 0u;
+#endif
+        if constexpr (kPerWord) {
+            constexpr int W = Words<kInputRunBytes>::count;
+#pragma unroll
+            for (int a = 0; a < Layout::kRows; ++a) {
+#pragma unroll
+                for (int w = 0; w < W; ++w)
+                    words[a * W + w] = (((bits[a] >> (2 * w)) & 1u) << 15) | (((bits[a] >> (2 * w + 1)) & 1u) << 31);
+                bits[a] = 0u;   // applied to the words
+            }
+        }
+    }
+};
+
 // The values that get quantized (or stored, for auto), in the final layout.
-__device__ __forceinline__ void transformed(const Words<kInputRunBytes> (&runs)[Layout::kRows],
-                                            const Group& group, const u32* __restrict__ rotation,
+__device__ __forceinline__ void transformed(Words<kInputRunBytes> (&runs)[Layout::kRows], const Group& group,
+                                            const InputSigns& signs, const u32* __restrict__ rotation,
                                             float (&y)[Layout::kValues]) {
     constexpr int C = Layout::kColumns;
+#if KVC_ROTATE
+    if constexpr (InputSigns::kPerWord) {
+        constexpr int W = Words<kInputRunBytes>::count;
+#pragma unroll
+        for (int a = 0; a < Layout::kRows; ++a)
+#pragma unroll
+            for (int w = 0; w < W; ++w) runs[a].w[w] ^= signs.words[a * W + w];
+    }
+#endif
     float x[Layout::kValues];
 #pragma unroll
     for (int i = 0; i < Layout::kValues; ++i)
         x[i] = Scalar<Input>::to_float(element_bits<kInputSize>(runs[i / C], i % C));
 #if KVC_ROTATE
-    u32 signs[Layout::kRows];
-    initial_signs<Layout>(rotation, group.rank, signs);
     double v[Layout::kValues];
-    widen<Layout>(x, signs, v);
+    widen<Layout>(x, signs.bits, v);
     hadamard_rows<Layout>(v, group);
 #if KVC_KRON
     mix_rows<Layout>(v, rotation + kForwardMix);
@@ -149,11 +185,18 @@ struct Common {
     const void* slot_mapping;
     int slot_is_int64;
     i64 slot_stride;
-    int num_heads;
     int block_size;
+    int block_shift;   // log2 of the block size where it is a power of two, else -1
     i64 num_slots;
     const u32* rotation;
     int input_align, cache_align;
+};
+
+// A vector of the launch: (token, head), walked with the grid's stride in
+// pairs = token * heads + head, carried along without dividing.
+struct Position {
+    i64 token;
+    int head;
 };
 
 // What one vector needs from memory before its transform: its input runs and
@@ -163,27 +206,24 @@ struct Fetched {
     i64 slot;
 };
 
-__device__ __forceinline__ void fetch(const Common& c, const Stream& s, i64 pair, int rank, Fetched& f) {
-    const i64 token = pair / c.num_heads;
-    const int head = int(pair - token * c.num_heads);
-    f.slot = c.slot_is_int64 ? static_cast<const i64*>(c.slot_mapping)[token * c.slot_stride]
-                             : i64(static_cast<const int*>(c.slot_mapping)[token * c.slot_stride]);
-    load_vector(s.input + token * s.token_stride + head * s.head_stride, rank, c.input_align, f.runs);
+__device__ __forceinline__ void fetch(const Common& c, const Stream& s, const Position& at, int rank, Fetched& f) {
+    f.slot = c.slot_is_int64 ? static_cast<const i64*>(c.slot_mapping)[at.token * c.slot_stride]
+                             : i64(static_cast<const int*>(c.slot_mapping)[at.token * c.slot_stride]);
+    load_vector(s.input + at.token * s.token_stride + at.head * s.head_stride, rank, c.input_align, f.runs);
 }
 
-__device__ __forceinline__ void write_vector(const Common& c, const Stream& s, i64 pair, const Group& group,
-                                             const Fetched& f) {
+__device__ __forceinline__ void write_vector(const Common& c, const Stream& s, const Position& at,
+                                             const Group& group, const InputSigns& signs, Fetched& f) {
     // Padding (< 0) and ids outside the cache write nothing: no id, however
     // wrong, touches memory outside the cache (batch.py's policy).
     if (f.slot < 0 || f.slot >= c.num_slots) return;
-    const i64 token = pair / c.num_heads;
-    const int head = int(pair - token * c.num_heads);
-    const i64 block = f.slot / c.block_size, offset = f.slot - block * c.block_size;
+    const i64 block = c.block_shift >= 0 ? f.slot >> c.block_shift : f.slot / c.block_size;
+    const i64 offset = f.slot - block * c.block_size;
     float y[Layout::kValues];
-    transformed(f.runs, group, c.rotation, y);
+    transformed(f.runs, group, signs, c.rotation, y);
     store_vector<KVC_KV_DTYPE>(y, group,
-                               {s.cache + block * s.cache_block + offset * s.cache_slot + head * s.cache_head,
-                                s.scales + block * s.scale_block + offset * s.scale_slot + head * s.scale_head},
+                               {s.cache + block * s.cache_block + offset * s.cache_slot + at.head * s.cache_head,
+                                s.scales + block * s.scale_block + offset * s.scale_slot + at.head * s.scale_head},
                                c.cache_align);
 }
 
@@ -225,22 +265,31 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocks) reshape_and_c
                  v_scale_cache, vs_block, vs_slot, vs_head}
         : Stream{key, key_token_stride, key_head_stride, key_cache, kc_block, kc_slot, kc_head,
                  k_scale_cache, ks_block, ks_slot, ks_head};
-    const Common c{slot_mapping, slot_is_int64, slot_stride, num_heads, block_size, num_slots, rotation,
+    const int block_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
+    const Common c{slot_mapping, slot_is_int64, slot_stride, block_size, block_shift, num_slots, rotation,
                    input_align, cache_align};
+    const InputSigns signs(rotation, group.rank);
     const i64 pairs = i64(num_tokens) * num_heads;
     const i64 stride = i64(gridDim.x) * kGroupsPerBlock / 2;   // in pairs: kGroupsPerBlock is even
     i64 pair = first >> 1;
     if (pair >= pairs) return;
+    // The two divisions of the whole walk: the start and the stride in (tokens, heads).
+    Position at{pair / num_heads, int(pair % num_heads)};
+    const i64 stride_tokens = stride / num_heads;
+    const int stride_heads = int(stride % num_heads);
     Fetched current, next;
-    fetch(c, s, pair, group.rank, current);
+    fetch(c, s, at, group.rank, current);
     for (;;) {
         const i64 following = pair + stride;
         const bool more = following < pairs;   // the same for the whole group
-        if (kPrefetch && more) fetch(c, s, following, group.rank, next);
-        write_vector(c, s, pair, group, current);
+        Position then{at.token + stride_tokens, at.head + stride_heads};
+        if (then.head >= num_heads) then.head -= num_heads, ++then.token;
+        if (kPrefetch && more) fetch(c, s, then, group.rank, next);
+        write_vector(c, s, at, group, signs, current);
         if (!more) break;
         if (kPrefetch) current = next;
-        else fetch(c, s, following, group.rank, current);
+        else fetch(c, s, then, group.rank, current);
         pair = following;
+        at = then;
     }
 }

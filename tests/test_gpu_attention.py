@@ -384,11 +384,12 @@ def test_auto_cache_allocated_on_the_gpu(model_dtype):
 @pytest.mark.parametrize("shape", ["prompts", "chunk"])
 @pytest.mark.parametrize("query_dtype", (np.float16, "bfloat16", np.float32))
 @pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "int8_per_token_head", "auto"])
-@pytest.mark.parametrize("rotation,head_size", [("blockdiag", 128), ("blockdiag", 96), ("kron", 80),
-                                                ("none", 64), ("blockdiag", 40)])
+@pytest.mark.parametrize("rotation,head_size", [("blockdiag", 128), ("blockdiag", 96), ("blockdiag", 64),
+                                                ("kron", 80), ("none", 64), ("blockdiag", 40)])
 def test_prefill_rotates_its_query_and_output(rotation, head_size, kv_dtype, query_dtype, shape):
     """prefill.cuh takes the caller's query and rotates it itself (an mma with the
-    rotation's fragments); with one split ("prompts") it also normalises, adds
+    rotation's fragments, and for blocks of 32 dims and up butterflies across
+    16-dim groups: 3 stages at 128, 2 at 64, 1 at 96); with one split ("prompts") it also normalises, adds
     the sinks, rotates back and writes `out` itself, unless the rotation's blocks
     are narrower than a fragment (d = 40: blocks of 8), which take the merge and
     the rotate kernel like several splits ("chunk") do. Sinks throughout."""
@@ -408,6 +409,18 @@ def test_prefill_rotates_its_query_and_output(rotation, head_size, kv_dtype, que
     assert isinstance(plan.kernel, PrefillKernel)
     assert (plan.num_splits == 1) == (shape == "prompts"), plan.num_splits
     check(f"prefill {rotation} d={head_size} {kv_dtype} q={query_dtype} {shape}", out, expected, query_dtype)
+
+
+def test_block_sizes_that_are_no_power_of_two_are_refused():
+    """The kernels find a token's page by shifting: a cache of 24-token blocks gets a
+    clear error from the CUDA backend (the CPU backend takes it), not wrong pages."""
+    rng = np.random.default_rng(0)
+    batch = paged_batch(rng, [100], [1], 24)
+    cache = host_cache(rng, batch, "int4_per_token_head", 64, 2, 24, np.float16, "default")
+    query = rng.standard_normal((1, 8, 64)).astype(np.float32)
+    with pytest.raises(ValueError, match="block_size=24"):
+        kc.paged_attention(device_query(query), device_view(cache), block_table=batch.block_table,
+                           seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
 
 
 @pytest.mark.parametrize("query_lens", [(1, 1), (150, 40)], ids=["decode", "prefill"])

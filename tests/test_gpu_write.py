@@ -43,7 +43,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 FP16, FP32 = np.dtype(np.float16), np.dtype(np.float32)
 INPUT_DTYPES = (BF16, FP16, FP32)
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 256)
-BLOCK_SIZES = (16, 32, 128)
+BLOCK_SIZES = (16, 32, 128, 24)   # 24: the write kernel's division path (no power of two)
 KV_DTYPES = ("int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "auto")
 ROTATIONS = ("blockdiag", "kron", "none", "vllm")
 NONFINITE_SCALE = np.uint32(formats.NONFINITE_SCALE_BITS)
@@ -188,8 +188,9 @@ def write_cases() -> list[WriteCase]:
             input_dtype = INPUT_DTYPES[(i + k) % 3]
             rotation = ROTATIONS[(i + 2 * k) % 4]
             cache_dtype = INPUT_DTYPES[(i + 2 * k + 1) % 3]
-            cases.append(WriteCase(head_size, kv_dtype, input_dtype, rotation, BLOCK_SIZES[(i + k) % 3],
-                                   cache_dtype, nonfinite=(i + k) % 2 == 0))
+            block_size = BLOCK_SIZES[(i + k) % len(BLOCK_SIZES)]
+            cases.append(WriteCase(head_size, kv_dtype, input_dtype, rotation, block_size, cache_dtype,
+                                   nonfinite=(i + k) % 2 == 0))
     # The format vLLM uses most, at the head sizes of most models: every rotation x input dtype.
     for head_size in (96, 128):
         for rotation in ROTATIONS:

@@ -9,6 +9,7 @@ import pytest
 
 import kvcupy as kc
 from kvcupy import reference
+from kvcupy.rotation import sylvester
 from kvcupy.backends import cuda_attention as ca
 
 
@@ -29,7 +30,16 @@ def unpack_fragments(fragments: np.ndarray) -> np.ndarray:
     return b
 
 
-CASES = [(128, "blockdiag"), (96, "blockdiag"), (80, "blockdiag"), (40, "blockdiag"), (34, "blockdiag"),
+def butterflies_across_groups(v: np.ndarray, stages: int) -> np.ndarray:
+    """prefill.cuh's butterflies_across_groups on one row of logical dims:
+    (H_{2^stages} (x) I_16) on every block of 2^stages x 16 dims."""
+    if stages == 0:
+        return v
+    blocks = v.reshape(-1, 2 ** stages, 16)
+    return np.einsum("ab,nbc->nac", sylvester(2 ** stages), blocks).reshape(v.shape)
+
+
+CASES = [(128, "blockdiag"), (64, "blockdiag"), (32, "blockdiag"), (96, "blockdiag"), (80, "blockdiag"), (40, "blockdiag"), (34, "blockdiag"),
          (80, "kron"), (112, "kron"), (96, "kron"), (64, "none")]
 
 
@@ -46,22 +56,33 @@ def test_fragments_rotate_like_the_oracle(head_size, kind, kv):
         return
     forward, inverse = (unpack_fragments(f) for f in ca.rotation_fragments(plan, head_pad, kv))
     assert set(np.unique(forward)) <= {-1.0, 0.0, 1.0}   # exact in fp16
+    stages = ca.rotation_stages(plan)
 
-    # Query: q (channels, zero-padded) times the forward B = the rotated query's
-    # logical dims, each the channel channel_of(l) of reference.rotate.
+    # Query: q (channels, zero-padded) times the forward B, then the butterflies
+    # across groups = the rotated query's logical dims, each the channel
+    # channel_of(l) of reference.rotate.
     q = np.zeros(head_pad)
     q[:head_size] = rng.standard_normal(head_size)
     rotated = reference.rotate(q[:head_size], plan)
     want = np.where(stored, rotated[np.minimum(channels, head_size - 1)], 0.0)
-    np.testing.assert_allclose(q @ forward, want, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(butterflies_across_groups(q @ forward, stages), want, rtol=0, atol=1e-12)
 
-    # Output: rows in logical order times the inverse B, over the norm = the
-    # oracle's inverse rotation, channel by channel.
+    # Output: rows in logical order through the butterflies, times the inverse
+    # B, over the norm = the oracle's inverse rotation, channel by channel.
     y = rng.standard_normal(head_size)
-    logical = np.where(stored, y[np.minimum(channels, head_size - 1)], 0.0)
+    logical = butterflies_across_groups(np.where(stored, y[np.minimum(channels, head_size - 1)], 0.0), stages)
     np.testing.assert_allclose((logical @ inverse)[:head_size] / plan.norm,
                                reference.rotate(y, plan, inverse=True), rtol=0, atol=1e-12)
     assert not (logical @ inverse)[head_size:].any()   # nothing written past the head
+
+
+@pytest.mark.parametrize("head_size,stages", [(128, 3), (64, 2), (96, 1), (32, 1), (80, 0), (112, 0)])
+def test_wide_blocks_leave_their_sylvester_factor_to_butterflies(head_size, stages):
+    """A blockdiag rotation of 2^(4 + stages) dims a block: fragments in 16-dim
+    groups (shift 4, the kernel's fast path), the rest as butterflies."""
+    plan = kc.rotation_plan(head_size, "blockdiag")
+    assert (ca.rotation_shift(plan), ca.rotation_stages(plan)) == (4, stages)
+    assert ca.rotation_stages(kc.rotation_plan(head_size, "kron")) == 0
 
 
 @pytest.mark.parametrize("head_size,kind", CASES)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import formats, jit
-from ..rotation import query_divisor
+from ..rotation import query_divisor, sylvester
 
 # attention.cuh's KV_* codes.
 KV_INT4, KV_INT8, KV_FP8, KV_F16, KV_BF16 = range(5)
@@ -315,7 +315,9 @@ def rotation_fragments(rotation, head_pad: int, kv: int) -> tuple[np.ndarray, np
     dims in logical order (P[l, k] = F[channel_of(l), k], zero past the head
     size): the query's product is q P^T (B = P^T), the output's o P (B = P)."""
     d = rotation.head_size
-    forward = rotation.matrix() * rotation.sign_vector()[None, :]
+    # With butterfly stages F = (H_{b/16} (x) I_16, per block) G, and the fragments hold G.
+    matrix = np.kron(np.eye(d // 16), sylvester(16)) if rotation_stages(rotation) else rotation.matrix()
+    forward = matrix * rotation.sign_vector()[None, :]
     channels = logical_channels(head_pad, kv)
     stored = channels < d
     p = np.zeros((head_pad, head_pad))
@@ -325,14 +327,26 @@ def rotation_fragments(rotation, head_pad: int, kv: int) -> tuple[np.ndarray, np
 
 def rotation_shift(rotation) -> int:
     """prefill.cuh's rotation_shift: -1 without a rotation; else log2 of the width of
-    the independent blocks the rotation's fragments fall in: a block-diagonal
-    rotation's block when it spans whole fragments (16 dims and up), otherwise
-    (kron, narrower blocks) one block for the whole head (30)."""
+    the independent blocks the rotation's fragments fall in: 16 dims for a
+    block-diagonal rotation whose blocks span whole fragments (its 16-dim blocks,
+    or for wider ones the factor beside rotation_stages), otherwise (kron,
+    narrower blocks) one block for the whole head (30)."""
     if rotation is None or rotation.is_identity:
         return -1
     if rotation.kind == "blockdiag" and rotation.block >= 16:
-        return rotation.block.bit_length() - 1
+        return 4
     return 30
+
+
+def rotation_stages(rotation) -> int:
+    """prefill.cuh's rotation_stages: butterflies across 16-dim groups that the kernel
+    applies beside the fragments' products. A Sylvester block of b = 2^m >= 32 dims
+    is H_b = H_{b/16} (x) H_16 = (H_{b/16} (x) I_16)(I_{b/16} (x) H_16): the fragments
+    hold the second factor with the signs (16 of 64 fragments at d = 128, not all
+    64), and m - 4 butterfly stages in registers do the first. 0 otherwise."""
+    if rotation is None or rotation.is_identity or rotation.kind != "blockdiag" or rotation.block < 32:
+        return 0
+    return rotation.block.bit_length() - 5
 
 
 @dataclass(eq=False)
@@ -373,6 +387,10 @@ class Plan:
 
 def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) -> Plan:
     import cupy
+    if cache.block_size & (cache.block_size - 1):
+        # attention.cuh finds a token's page and slot by shift and mask.
+        raise ValueError(f"block_size={cache.block_size}: the CUDA attention kernels need a power of two "
+                         "(the CPU backend takes any block size)")
     device = cache.device
     group = num_query_heads // cache.num_kv_heads
     kv = kv_code(cache)
@@ -488,7 +506,8 @@ def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> t
     size = q.itemsize
     return (q, np.int64(q.strides[0] // size), np.int64(q.strides[1] // size), np.int32(dtype_code(query.dtype)),
             forward if forward is not None else np.uintp(0), inverse if inverse is not None else np.uintp(0),
-            np.int32(shift), np.float32(1.0 / query_divisor(rotation, softmax_scale)), np.float32(1.0 / norm),
+            np.int32(shift), np.int32(rotation_stages(rotation)),
+            np.float32(1.0 / query_divisor(rotation, softmax_scale)), np.float32(1.0 / norm),
             out.data, np.int64(out.data.strides[0] // out.data.itemsize),
             np.int64(out.data.strides[1] // out.data.itemsize), np.int32(dtype_code(out.dtype)),
             sinks if sinks is not None else np.uintp(0), np.int32(direct))
@@ -496,7 +515,7 @@ def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> t
 
 # The decode kernel's values of those arguments: it reads the rotated query and writes splits.
 _NO_PREFILL_IO = (np.uintp(0), np.int64(0), np.int64(0), np.int32(0), np.uintp(0), np.uintp(0), np.int32(-1),
-                  np.float32(1), np.float32(1), np.uintp(0), np.int64(0), np.int64(0), np.int32(0), np.uintp(0),
+                  np.int32(0), np.float32(1), np.float32(1), np.uintp(0), np.int64(0), np.int64(0), np.int32(0), np.uintp(0),
                   np.int32(0))
 
 
