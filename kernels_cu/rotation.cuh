@@ -196,6 +196,66 @@ __device__ __forceinline__ void final_signs(const u32* __restrict__ words, int r
     }
 }
 
+// A lane's forward signs. Short lanes (at most 32 values: the tuned layouts)
+// set them up once per thread and hold them, the lane's columns never change
+// as it walks vectors; longer lanes, whose registers are spoken for, read them
+// again for each vector. Held, with ON_WORDS (16-bit inputs read in place, an
+// even number of columns a lane), they become one xor mask per input word
+// (bits 15 and 31: the word's two elements), applied to the raw runs before
+// conversion (flipping a 16-bit sign bit is exactly a negation of the
+// converted value); otherwise they are sign bits per row, applied by widen.
+// `active` false: no signs (the inverse, or no rotation).
+template <class Layout, bool ON_WORDS>
+struct LaneSigns {
+    static constexpr bool kHeld = Layout::kValues <= 32;
+    static constexpr bool kPerWord = kHeld && ON_WORDS && Layout::kColumns % 2 == 0;
+    static constexpr int kRunWords = Layout::kColumns / 2;   // 16-bit elements, two a word
+    const u32* rotation;
+    int rank;
+    bool active;
+    u32 words[kPerWord ? Layout::kRows * kRunWords : 1];
+    u32 held[Layout::kRows];   // unused (and dropped) unless kHeld
+
+    __device__ __forceinline__ LaneSigns(const u32* __restrict__ rotation_words, int lane_rank, bool on)
+        : rotation(rotation_words), rank(lane_rank), active(on) {
+        if constexpr (kHeld) {
+#pragma unroll
+            for (int a = 0; a < Layout::kRows; ++a) held[a] = 0u;
+            if (active) initial_signs<Layout>(rotation, rank, held);
+        }
+        if constexpr (kPerWord) {
+#pragma unroll
+            for (int a = 0; a < Layout::kRows; ++a) {
+#pragma unroll
+                for (int w = 0; w < kRunWords; ++w)
+                    words[a * kRunWords + w] =
+                        (((held[a] >> (2 * w)) & 1u) << 15) | (((held[a] >> (2 * w + 1)) & 1u) << 31);
+                held[a] = 0u;   // carried by the masks
+            }
+        }
+    }
+
+    // The sign bits widen applies (none where the word masks carry them).
+    __device__ __forceinline__ void bits(u32 (&out)[Layout::kRows]) const {
+#pragma unroll
+        for (int a = 0; a < Layout::kRows; ++a) out[a] = kHeld ? held[a] : 0u;
+        if constexpr (!kHeld) {
+            if (active) initial_signs<Layout>(rotation, rank, out);
+        }
+    }
+
+    // Applies the word masks to a lane's raw input runs (where they are used).
+    template <class Run>
+    __device__ __forceinline__ void apply(Run (&runs)[Layout::kRows]) const {
+        if constexpr (kPerWord) {
+#pragma unroll
+            for (int a = 0; a < Layout::kRows; ++a)
+#pragma unroll
+                for (int w = 0; w < kRunWords; ++w) runs[a].w[w] ^= words[a * kRunWords + w];
+        }
+    }
+};
+
 // float -> double. Hardware conversions run at a quarter of the float64 add
 // rate on sm_90, and the write path converts every value twice; moving the
 // bits is exact for zero and normal numbers and leaves that pipe to the adds.

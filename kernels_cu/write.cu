@@ -48,56 +48,23 @@ __device__ __forceinline__ void load_vector(const Input* __restrict__ vector, in
     }
 }
 
-// The forward rotation's signs of this lane's values, set up once per thread:
-// for 16-bit inputs as one xor mask per input word (bits 15 and 31: the
-// words' two elements), applied before the widening; for float32 inputs as
-// sign bits per row (rotation.cuh, initial_signs), applied by widen.
-struct InputSigns {
-    static constexpr bool kPerWord = kInputSize == 2;
-    u32 words[kPerWord ? Layout::kRows * Words<kInputRunBytes>::count : 1];
-    u32 bits[Layout::kRows];
-
-    __device__ __forceinline__ InputSigns(const u32* __restrict__ rotation, int rank) {
-#if KVC_ROTATE
-        initial_signs<Layout>(rotation, rank, bits);
-#else
-#pragma unroll
-        for (int a = 0; a < Layout::kRows; ++a) bits[a] = 0u;
-#endif
-        if constexpr (kPerWord) {
-            constexpr int W = Words<kInputRunBytes>::count;
-#pragma unroll
-            for (int a = 0; a < Layout::kRows; ++a) {
-#pragma unroll
-                for (int w = 0; w < W; ++w)
-                    words[a * W + w] = (((bits[a] >> (2 * w)) & 1u) << 15) | (((bits[a] >> (2 * w + 1)) & 1u) << 31);
-                bits[a] = 0u;   // applied to the words
-            }
-        }
-    }
-};
+using Signs = LaneSigns<Layout, kInputSize == 2>;
 
 // The values that get quantized (or stored, for auto), in the final layout.
 __device__ __forceinline__ void transformed(Words<kInputRunBytes> (&runs)[Layout::kRows], const Group& group,
-                                            const InputSigns& signs, const u32* __restrict__ rotation,
+                                            const Signs& signs, const u32* __restrict__ rotation,
                                             float (&y)[Layout::kValues]) {
     constexpr int C = Layout::kColumns;
-#if KVC_ROTATE
-    if constexpr (InputSigns::kPerWord) {
-        constexpr int W = Words<kInputRunBytes>::count;
-#pragma unroll
-        for (int a = 0; a < Layout::kRows; ++a)
-#pragma unroll
-            for (int w = 0; w < W; ++w) runs[a].w[w] ^= signs.words[a * W + w];
-    }
-#endif
+    signs.apply(runs);
     float x[Layout::kValues];
 #pragma unroll
     for (int i = 0; i < Layout::kValues; ++i)
         x[i] = Scalar<Input>::to_float(element_bits<kInputSize>(runs[i / C], i % C));
 #if KVC_ROTATE
+    u32 sign_bits[Layout::kRows];
+    signs.bits(sign_bits);
     double v[Layout::kValues];
-    widen<Layout>(x, signs.bits, v);
+    widen<Layout>(x, sign_bits, v);
     hadamard_rows<Layout>(v, group);
 #if KVC_KRON
     mix_rows<Layout>(v, rotation + kForwardMix);
@@ -213,7 +180,7 @@ __device__ __forceinline__ void fetch(const Common& c, const Stream& s, const Po
 }
 
 __device__ __forceinline__ void write_vector(const Common& c, const Stream& s, const Position& at,
-                                             const Group& group, const InputSigns& signs, Fetched& f) {
+                                             const Group& group, const Signs& signs, Fetched& f) {
     // Padding (< 0) and ids outside the cache write nothing: no id, however
     // wrong, touches memory outside the cache (batch.py's policy).
     if (f.slot < 0 || f.slot >= c.num_slots) return;
@@ -268,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocks) reshape_and_c
     const int block_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
     const Common c{slot_mapping, slot_is_int64, slot_stride, block_size, block_shift, num_slots, rotation,
                    input_align, cache_align};
-    const InputSigns signs(rotation, group.rank);
+    const Signs signs(rotation, group.rank, KVC_ROTATE != 0);
     const i64 pairs = i64(num_tokens) * num_heads;
     const i64 stride = i64(gridDim.x) * kGroupsPerBlock / 2;   // in pairs: kGroupsPerBlock is even
     i64 pair = first >> 1;
