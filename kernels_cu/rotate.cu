@@ -50,40 +50,6 @@ struct Fetched {
     Words<kInputRunBytes> runs[Layout::kRows];
 };
 
-// The forward signs on the input words where the input is read in place; with
-// orders they apply to the permuted vector (by widen).
-using Signs = LaneSigns<Layout, kInputSize == 2 && !KVC_ORDERS>;
-
-// What a lane applies to every row: the forward signs, or the inverse's signs
-// of its final-layout values (held like the forward ones, LaneSigns::kHeld).
-struct LaneRotation {
-    Signs forward;
-    u32 inverse_held[Layout::kRows];   // unused (and dropped) unless held
-
-    __device__ __forceinline__ LaneRotation(const RotateParams& p, int rank)
-        : forward(p.rotation, rank, KVC_ROTATE && !p.inverse) {
-        if constexpr (Signs::kHeld) inverse_signs(p, rank, inverse_held);
-    }
-
-    static __device__ __forceinline__ void inverse_signs(const RotateParams& p, int rank,
-                                                         u32 (&bits)[Layout::kRows]) {
-#pragma unroll
-        for (int a = 0; a < Layout::kRows; ++a) bits[a] = 0u;
-#if KVC_ROTATE
-        if (p.inverse) final_signs<Layout>(p.rotation, rank, bits);
-#endif
-    }
-
-    __device__ __forceinline__ void inverse_bits(const RotateParams& p, u32 (&bits)[Layout::kRows]) const {
-        if constexpr (Signs::kHeld) {
-#pragma unroll
-            for (int a = 0; a < Layout::kRows; ++a) bits[a] = inverse_held[a];
-        } else {
-            inverse_signs(p, forward.rank, bits);
-        }
-    }
-};
-
 __device__ __forceinline__ void fetch(const RotateParams& p, i64 row, int rank, Fetched& f) {
     const Input* source = p.x + row * p.x_row_stride;
 #pragma unroll
@@ -94,11 +60,10 @@ __device__ __forceinline__ void fetch(const RotateParams& p, i64 row, int rank, 
 }
 
 // staged: this group's slice of shared memory (KVC_ORDERS only).
-__device__ __forceinline__ void rotate_row(const RotateParams& p, i64 row, const Group& group,
-                                           const LaneRotation& lane, Fetched& f, float* staged) {
+__device__ __forceinline__ void rotate_row(const RotateParams& p, i64 row, const Group& group, const Fetched& f,
+                                           float* staged) {
     constexpr int C = Layout::kColumns;
     constexpr int R = Layout::kRun;
-    lane.forward.apply(f.runs);
     float x[Layout::kValues];
 #pragma unroll
     for (int i = 0; i < Layout::kValues; ++i)
@@ -119,14 +84,18 @@ __device__ __forceinline__ void rotate_row(const RotateParams& p, i64 row, const
     double v[Layout::kValues];
 #if KVC_ROTATE
     u32 signs[Layout::kRows];
-    lane.forward.bits(signs);   // the inverse's signs come after the transform
+    initial_signs<Layout>(p.rotation, group.rank, signs);
+    if (p.inverse) {
+#pragma unroll
+        for (int a = 0; a < Layout::kRows; ++a) signs[a] = 0u;   // applied after the transform
+    }
     widen<Layout>(x, signs, v);
     hadamard_rows<Layout>(v, group);
 #if KVC_KRON
     mix_rows<Layout>(v, p.rotation + (p.inverse ? kInverseMix : kForwardMix));
 #endif
     if (p.inverse) {
-        lane.inverse_bits(p, signs);
+        final_signs<Layout>(p.rotation, group.rank, signs);
 #pragma unroll
         for (int i = 0; i < Layout::kValues; ++i) v[i] = negate_if(v[i], (signs[i / C] >> (i % C)) & 1u);
     }
@@ -216,14 +185,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocks) rotate_rows(
     const i64 stride = i64(gridDim.x) * kGroupsPerBlock;
     i64 row = i64(blockIdx.x) * kGroupsPerBlock + threadIdx.x / Layout::kLanes;
     if (row >= num_rows) return;
-    const LaneRotation lane(p, group.rank);
     Fetched current, next;
     fetch(p, row, group.rank, current);
     for (;;) {
         const i64 following = row + stride;
         const bool more = following < num_rows;   // the same for the whole group
         if (more) fetch(p, following, group.rank, next);
-        rotate_row(p, row, group, lane, current, staged);
+        rotate_row(p, row, group, current, staged);
         if (!more) break;
         current = next;
         row = following;
