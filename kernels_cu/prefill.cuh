@@ -29,6 +29,11 @@
 
 namespace kvc_attn {
 
+// The largest power of two, at most `cap`, that divides n.
+__host__ __device__ constexpr int largest_pow2_divisor(int n, int cap) {
+  return n % cap == 0 || cap == 1 ? cap : largest_pow2_divisor(n, cap / 2);
+}
+
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* shared_row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(shared_row)));
@@ -54,6 +59,7 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 // are then laid out as core matrices (wgmma.cuh), three decoded buffers deep:
 // a tile's score products run while the next tile is decoded, its output
 // products while the next barrier, copies and score products are issued.
+
 template <int KV, int HEAD_PAD, int WARPS, int TILE, int STAGES, int CHUNK, bool WGMMA = false>
 struct Prefill {
   static_assert(HEAD_PAD % 32 == 0 && HEAD_PAD <= 128, "head size class: 32 .. 128");
@@ -171,59 +177,68 @@ struct Prefill {
       const u32* scale_words = reinterpret_cast<const u32*>(stage + 2 * kRawTensorBytes);
       constexpr int kWordsPerRow = kRowBytes / 4;
       constexpr int kWords = 2 * TILE * kWordsPerRow;   // K rows, then V rows: one scale word a row
-      static_assert(kWords % kThreads == 0, "whole runs");
-      constexpr int kRun = kWords / kThreads;
+      // One run a thread where the threads divide the words evenly; otherwise
+      // (12 warps) runs of up to 8 words, dealt out to the threads in turn.
+      constexpr bool kOneRunEach = kWords % kThreads == 0;
+      constexpr int kRun = kOneRunEach ? kWords / kThreads : largest_pow2_divisor(kWordsPerRow, 8);
       static_assert(kWordsPerRow % kRun == 0, "a run lies in one row");
       constexpr int kVector = kRun % 4 == 0 ? 4 : kRun % 2 == 0 ? 2 : 1;
-      const int first = threadIdx.x * kRun;
-      const int row = first / kWordsPerRow, word0 = first - row * kWordsPerRow;
-      // int4: nibble c under 0x6400 is 1024 + c (low nibble) or 1024 + 16 c (high
-      // nibble, not shifted down): add -(1024 + zp), or scale by 1/16 and add
-      // -(64 + zp); both exact. fp16 bits of -(1024 + zp): 0xE400 + zp (the ulp
-      // at 1024 is 1); of -(64 + zp): 0xD400 + 16 zp (ulp 1/16).
-      const u32 zp = KV == KV_INT4 ? scale_words[row] & 0xFu : 0u;
-      const u32 low_bias = (0xE400u + zp) * 0x10001u, high_bias = (0xD400u + 16u * zp) * 0x10001u;
-      // Every load first: the decoding then waits on shared memory once.
-      u32 codes[kRun];
+      auto decode_run = [&](int run) {
+        const int first = run * kRun;
+        const int row = first / kWordsPerRow, word0 = first - row * kWordsPerRow;
+        // int4: nibble c under 0x6400 is 1024 + c (low nibble) or 1024 + 16 c (high
+        // nibble, not shifted down): add -(1024 + zp), or scale by 1/16 and add
+        // -(64 + zp); both exact. fp16 bits of -(1024 + zp): 0xE400 + zp (the ulp
+        // at 1024 is 1); of -(64 + zp): 0xD400 + 16 zp (ulp 1/16).
+        const u32 zp = KV == KV_INT4 ? scale_words[row] & 0xFu : 0u;
+        const u32 low_bias = (0xE400u + zp) * 0x10001u, high_bias = (0xD400u + 16u * zp) * 0x10001u;
+        // Every load first: the decoding then waits on shared memory once.
+        u32 codes[kRun];
 #pragma unroll
-      for (int v = 0; v < kRun; v += kVector) {
-        const u8* source = stage + 4 * (first + v);
-        if constexpr (kVector == 4) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(source);
-          codes[v] = raw.x, codes[v + 1] = raw.y, codes[v + 2] = raw.z, codes[v + 3] = raw.w;
-        } else if constexpr (kVector == 2) {
-          const uint2 raw = *reinterpret_cast<const uint2*>(source);
-          codes[v] = raw.x, codes[v + 1] = raw.y;
-        } else {
-          codes[v] = *reinterpret_cast<const u32*>(source);
-        }
-      }
-#pragma unroll
-      for (int v = 0; v < kRun; ++v) {
-        const u32 code = codes[v];
-        const int word = word0 + v;
-        if constexpr (KV == KV_INT4) {
-          constexpr u32 kOne = 0x3C003C00u, kSixteenth = 0x2C002C00u;
-          const u32 shifted = code >> 8;
-          uint4 out;
-          out.x = hfma2(lop_and_or(code, 0x000F000Fu, 0x64006400u), kOne, low_bias);          // channels 0, 4
-          out.y = hfma2(lop_and_or(code, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 1, 5
-          out.z = hfma2(lop_and_or(shifted, 0x000F000Fu, 0x64006400u), kOne, low_bias);       // 2, 6
-          out.w = hfma2(lop_and_or(shifted, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 3, 7
-          *reinterpret_cast<uint4*>(decoded_at(decoded, row, 8 * word)) = out;
-        } else {
-          uint2 out;
-          if constexpr (KV == KV_INT8) {
-            // 1024 + 128 + code (the sign bit flipped into a bias), plus -1152.
-            constexpr u32 kOne = 0x3C003C00u, kBias = 0xE480E480u;
-            out.x = hfma2((prmt(code, 0u, 0x4140u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
-            out.y = hfma2((prmt(code, 0u, 0x4342u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
+        for (int v = 0; v < kRun; v += kVector) {
+          const u8* source = stage + 4 * (first + v);
+          if constexpr (kVector == 4) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(source);
+            codes[v] = raw.x, codes[v + 1] = raw.y, codes[v + 2] = raw.z, codes[v + 3] = raw.w;
+          } else if constexpr (kVector == 2) {
+            const uint2 raw = *reinterpret_cast<const uint2*>(source);
+            codes[v] = raw.x, codes[v + 1] = raw.y;
           } else {
-            out.x = fp8_pair(prmt(code, 0u, 0x1404u));
-            out.y = fp8_pair(prmt(code, 0u, 0x3424u));
+            codes[v] = *reinterpret_cast<const u32*>(source);
           }
-          *reinterpret_cast<uint2*>(decoded_at(decoded, row, 4 * word)) = out;
         }
+#pragma unroll
+        for (int v = 0; v < kRun; ++v) {
+          const u32 code = codes[v];
+          const int word = word0 + v;
+          if constexpr (KV == KV_INT4) {
+            constexpr u32 kOne = 0x3C003C00u, kSixteenth = 0x2C002C00u;
+            const u32 shifted = code >> 8;
+            uint4 out;
+            out.x = hfma2(lop_and_or(code, 0x000F000Fu, 0x64006400u), kOne, low_bias);          // channels 0, 4
+            out.y = hfma2(lop_and_or(code, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 1, 5
+            out.z = hfma2(lop_and_or(shifted, 0x000F000Fu, 0x64006400u), kOne, low_bias);       // 2, 6
+            out.w = hfma2(lop_and_or(shifted, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 3, 7
+            *reinterpret_cast<uint4*>(decoded_at(decoded, row, 8 * word)) = out;
+          } else {
+            uint2 out;
+            if constexpr (KV == KV_INT8) {
+              // 1024 + 128 + code (the sign bit flipped into a bias), plus -1152.
+              constexpr u32 kOne = 0x3C003C00u, kBias = 0xE480E480u;
+              out.x = hfma2((prmt(code, 0u, 0x4140u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
+              out.y = hfma2((prmt(code, 0u, 0x4342u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
+            } else {
+              out.x = fp8_pair(prmt(code, 0u, 0x1404u));
+              out.y = fp8_pair(prmt(code, 0u, 0x3424u));
+            }
+            *reinterpret_cast<uint2*>(decoded_at(decoded, row, 4 * word)) = out;
+          }
+        }
+      };
+      if constexpr (kOneRunEach) {
+        decode_run(threadIdx.x);
+      } else {
+        for (int run = threadIdx.x; run < kWords / kRun; run += kThreads) decode_run(run);
       }
       // Scales: int4's scale word carries the zero-point in its low 4 bits.
       float* scales = reinterpret_cast<float*>(decoded + 2 * kDecodedTensorBytes);

@@ -79,23 +79,23 @@ def time_case(case: dict) -> tuple[float, object]:
 
 def with_variant(variant: dict, run):
     """run() with the variant's planner constants, defines and sources, restored after."""
-    saved = (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS,
-             cuda_attention.PrefillKernel.__init__.__defaults__, cuda_attention.PrefillKernel.defines,
+    saved = (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS, cuda_attention.PREFILL_WARPS,
+             cuda_attention.PREFILL_WGMMA_WARPS, cuda_attention.PrefillKernel.defines,
              cuda_attention.PREFILL_WGMMA, os.environ.get(jit.SOURCE_DIR_ENV))
-    plain_defines = saved[3].fget
+    plain_defines = saved[4].fget
     cuda_attention.PREFILL_TILE = variant.get("tile", cuda_attention.PREFILL_TILE)
     cuda_attention.PREFILL_MIN_BLOCKS = variant.get("min_blocks", cuda_attention.PREFILL_MIN_BLOCKS)
     cuda_attention.PREFILL_WGMMA = variant.get("wgmma", cuda_attention.PREFILL_WGMMA)
-    if "warps" in variant:
-        cuda_attention.PrefillKernel.__init__.__defaults__ = (variant["warps"], *saved[2][1:])
+    if "warps" in variant:   # either build
+        cuda_attention.PREFILL_WARPS = cuda_attention.PREFILL_WGMMA_WARPS = variant["warps"]
     cuda_attention.PrefillKernel.defines = property(lambda k: {**plain_defines(k), **variant.get("defines", {})})
     if "src" in variant:
         os.environ[jit.SOURCE_DIR_ENV] = variant["src"]
     try:
         return run()
     finally:
-        (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS,
-         cuda_attention.PrefillKernel.__init__.__defaults__, cuda_attention.PrefillKernel.defines,
+        (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS, cuda_attention.PREFILL_WARPS,
+         cuda_attention.PREFILL_WGMMA_WARPS, cuda_attention.PrefillKernel.defines,
          cuda_attention.PREFILL_WGMMA, source) = saved
         if source is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)

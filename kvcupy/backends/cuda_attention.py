@@ -19,7 +19,7 @@ pipeline stage. Prefill (a sequence bringing at least PREFILL_MIN_ROWS query
 rows per KV head, head sizes up to PREFILL_MAX_HEAD_PAD) takes prefill.cuh's:
 128 query rows of one KV head a block, each tile decoded once into shared
 memory (on sm_90, quantized caches take its wgmma build, compiled for
-sm_90a). Either way the plan splits each sequence's keys across blocks
+sm_90a, with 192 rows a block). Either way the plan splits each sequence's keys across blocks
 (split-KV) from the batch's shape and the GPU's multiprocessor count, and
 holds the device copies of the work list and the workspace, so a layer's
 call allocates nothing.
@@ -68,6 +68,13 @@ PREFILL_MIN_BLOCKS = 1      # 8 warps a multiprocessor: no spills (`kvcupy check
 # Quantized caches on sm_90 take the warpgroup (wgmma, sm_90a) build of the prefill
 # kernel; False keeps the mma.sync build everywhere (the tests run both on Hopper).
 PREFILL_WGMMA = True
+# The wgmma build runs three warpgroups (192 query rows) a block: three warps a
+# scheduler instead of two hide more of the softmax's and the decoding's latencies.
+# int4, blockdiag, d = 128, TFLOP/s against 8 warps (H200, tools/prefill_variants.py,
+# one run): 4 x 8192 causal 266 vs 235, 2048 new over 30720 cached 253 vs 249,
+# 64 x 128 0.29 vs 0.33 ms. (168 registers a thread; the spills are in the
+# prologue and the epilogue, not the loop.)
+PREFILL_WGMMA_WARPS = 12
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,11 @@ class PrefillKernel:
 
     entry = "prefill_attention"
     kv_heads_per_block = 1
+
+    @classmethod
+    def planned(cls, kv: int, head_pad: int, chunk: int, wgmma: bool) -> "PrefillKernel":
+        """The specialisation the planner takes: its tile, and warps by build."""
+        return cls(kv, head_pad, PREFILL_TILE, chunk, PREFILL_WGMMA_WARPS if wgmma else PREFILL_WARPS, wgmma)
 
     @property
     def quantized(self) -> bool:
@@ -405,7 +417,7 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
     if max_rows >= PREFILL_MIN_ROWS and kernel.head_pad <= PREFILL_MAX_HEAD_PAD:
         stored_row = _stored_row_bytes(cache, kv)
         wgmma = PREFILL_WGMMA and capability == 90 and kv in (KV_INT4, KV_INT8, KV_FP8)
-        kernel = PrefillKernel(kv, kernel.head_pad, PREFILL_TILE, _copy_granule(cache, stored_row), wgmma=wgmma)
+        kernel = PrefillKernel.planned(kv, kernel.head_pad, _copy_granule(cache, stored_row), wgmma)
     rows_per_tile = kernel.rows_per_tile
     if query_lens is not None:
         row_tiles = -(-query_lens * group // rows_per_tile)
@@ -622,19 +634,19 @@ def specialisations(all: bool) -> list:
                         stagings = (False, True) if kv in (KV_INT4, KV_INT8, KV_FP8) else (False,)
                         kernels += [Kernel(kv, head_pad, heads, quads, tile, 16, bulk) for bulk in stagings]
                 if head_pad <= PREFILL_MAX_HEAD_PAD:
-                    kernels.append(PrefillKernel(kv, head_pad, PREFILL_TILE, 16))
+                    kernels.append(PrefillKernel.planned(kv, head_pad, 16, False))
                     if kv in (KV_INT4, KV_INT8, KV_FP8):
-                        kernels.append(PrefillKernel(kv, head_pad, PREFILL_TILE, 16, wgmma=True))
+                        kernels.append(PrefillKernel.planned(kv, head_pad, 16, True))
     else:
         kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, True), Kernel(KV_INT4, 96, 8, 4, 32, 4),
                    Kernel(KV_INT4, 64, 2, 2, 32, 1), Kernel(KV_INT8, 256, 8, 2, 16, 16),
                    Kernel(KV_FP8, 128, 4, 4, 16, 16, True), Kernel(KV_F16, 128, 4, 1, 16, 16),
                    Kernel(KV_BF16, 96, 4, 2, 16, 8), Kernel(KV_BF16, 64, 4, 1, 16, 16),
-                   PrefillKernel(KV_INT4, 128, PREFILL_TILE, 16), PrefillKernel(KV_INT8, 96, PREFILL_TILE, 4),
-                   PrefillKernel(KV_FP8, 64, PREFILL_TILE, 16), PrefillKernel(KV_F16, 128, PREFILL_TILE, 16),
-                   PrefillKernel(KV_BF16, 32, PREFILL_TILE, 1),
-                   PrefillKernel(KV_INT4, 128, PREFILL_TILE, 16, wgmma=True),
-                   PrefillKernel(KV_FP8, 96, PREFILL_TILE, 4, wgmma=True)]
+                   PrefillKernel.planned(KV_INT4, 128, 16, False), PrefillKernel.planned(KV_INT8, 96, 4, False),
+                   PrefillKernel.planned(KV_FP8, 64, 16, False), PrefillKernel.planned(KV_F16, 128, 16, False),
+                   PrefillKernel.planned(KV_BF16, 32, 1, False),
+                   PrefillKernel.planned(KV_INT4, 128, 16, True), PrefillKernel.planned(KV_FP8, 96, 4, True),
+                   PrefillKernel.planned(KV_INT8, 32, 16, True)]
     found += [Specialisation("attention", (kernel.entry,), kernel.defines, kernel.arch)
               for kernel in kernels]
     # The wgmma operand-layout probes of tests/test_gpu_wgmma.py.
