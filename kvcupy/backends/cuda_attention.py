@@ -385,8 +385,8 @@ def rotation_stages(rotation) -> int:
     """prefill.cuh's rotation_stages: butterflies across 16-dim groups that the kernel
     applies beside the fragments' products. A Sylvester block of b = 2^m >= 32 dims
     is H_b = H_{b/16} (x) H_16 = (H_{b/16} (x) I_16)(I_{b/16} (x) H_16): the fragments
-    hold the second factor with the signs (16 of 64 fragments at d = 128, not all
-    64), and m - 4 butterfly stages in registers do the first. 0 otherwise."""
+    hold the second factor with the signs (16 of the 128 fragments at d = 128, not
+    all 128), and m - 4 butterfly stages in registers do the first. 0 otherwise."""
     if rotation is None or rotation.is_identity or rotation.kind != "blockdiag" or rotation.block < 32:
         return 0
     return rotation.block.bit_length() - 5
