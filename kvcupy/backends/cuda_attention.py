@@ -19,8 +19,9 @@ pipeline stage. Prefill (a sequence bringing at least PREFILL_MIN_ROWS query
 rows per KV head, head sizes up to PREFILL_MAX_HEAD_PAD) takes prefill.cuh's:
 128 query rows of one KV head a block, each tile decoded once into shared
 memory (on sm_90, quantized caches take its wgmma build, compiled for
-sm_90a, with 192 rows a block). Either way the plan splits each sequence's keys across blocks
-(split-KV) from the batch's shape and the GPU's multiprocessor count, and
+sm_90a, with 192 rows a block). Either way the plan splits each sequence's
+keys across blocks (split-KV) from the batch's shape and the GPU's
+multiprocessor count (prefill: choose_prefill_splits), and
 holds the device copies of the work list and the workspace, so a layer's
 call allocates nothing.
 """
@@ -72,8 +73,8 @@ PREFILL_WGMMA = True
 # scheduler instead of two hide more of the softmax's and the decoding's latencies.
 # int4, blockdiag, d = 128, TFLOP/s against 8 warps (H200, tools/prefill_variants.py,
 # one run): 4 x 8192 causal 266 vs 235, 2048 new over 30720 cached 253 vs 249,
-# 64 x 128 0.29 vs 0.33 ms. (168 registers a thread; the spills are in the
-# prologue and the epilogue, not the loop.)
+# 64 x 128 0.29 vs 0.33 ms. (168 registers a thread; the spills sit in the
+# prologue and the epilogue, two spill instructions in the loop.)
 PREFILL_WGMMA_WARPS = 12
 
 
@@ -303,7 +304,8 @@ def choose_prefill_splits(keys_seen: np.ndarray, head_groups: int, slots: int, l
     candidates = [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if s <= min(most, MAX_SPLITS)]
     best, best_cost = 1, math.inf
     for splits in candidates:
-        split_tokens = -(-(-(-longest // splits)) // tile) * tile
+        per_split = -(-longest // splits)
+        split_tokens = -(-per_split // tile) * tile   # whole tiles
         starts = np.arange(splits, dtype=np.int64) * split_tokens
         work = np.clip(keys_seen[:, None].astype(np.int64) - starts[None, :], 0, split_tokens)
         blocks = np.sort(work[work > 0])[::-1] + PREFILL_BLOCK_KEYS
@@ -563,8 +565,8 @@ def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> t
 
 # The decode kernel's values of those arguments: it reads the rotated query and writes splits.
 _NO_PREFILL_IO = (np.uintp(0), np.int64(0), np.int64(0), np.int32(0), np.uintp(0), np.uintp(0), np.int32(-1),
-                  np.int32(0), np.float32(1), np.float32(1), np.uintp(0), np.int64(0), np.int64(0), np.int32(0), np.uintp(0),
-                  np.int32(0))
+                  np.int32(0), np.float32(1), np.float32(1), np.uintp(0), np.int64(0), np.int64(0), np.int32(0),
+                  np.uintp(0), np.int32(0))
 
 
 def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sliding_window,
