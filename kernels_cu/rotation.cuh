@@ -204,7 +204,8 @@ __device__ __forceinline__ void final_signs(const u32* __restrict__ words, int r
 // (bits 15 and 31: the word's two elements), applied to the raw runs before
 // conversion (flipping a 16-bit sign bit is exactly a negation of the
 // converted value); otherwise they are sign bits per row, applied by widen.
-// `active` false: no signs (the inverse, or no rotation).
+// `active` false: no signs (no rotation). The write kernel holds them; the
+// rotate kernel reads them per row (holding them cost it half its warps).
 template <class Layout, bool ON_WORDS>
 struct LaneSigns {
     static constexpr bool kHeld = Layout::kValues <= 32;
