@@ -882,7 +882,11 @@ struct Attention {
                                                            T::kKeyBytes + T::kValueBytes) + warp;
       const u32* value_scales = key_scales + TILE * HEADS;
 
-#pragma unroll 1
+      // A tile's steps unrolled (decode: one quad of rows), so that one step's
+      // loads, conversions and score products overlap the previous step's softmax
+      // and output products: int4, d = 128, 32 x 32768 (H200, tools/decode_variants.py,
+      // three alternating runs): 2.77-2.78 TB/s against 2.62-2.64 rolled.
+#pragma unroll (QUADS == 1 ? TILE / 16 : 1)
       for (int step = 0; step < (KVC_STAGING_ONLY ? 0 : TILE / 16); ++step) {
         // Scores of tokens g (c0 + c1) and g + 8 (c2 + c3), row t of each quad.
         float score[QUADS][4];
