@@ -52,6 +52,11 @@
 
 // Diagnostics only (the launcher never sets it): stage every tile and skip the
 // math, to time the copy pipeline alone. Outputs are meaningless.
+// 16-token steps a softmax round; 0: the tile's for one quad of rows, else one.
+#ifndef KVC_ROUND_STEPS
+#define KVC_ROUND_STEPS 0
+#endif
+
 #ifndef KVC_STAGING_ONLY
 #define KVC_STAGING_ONLY 0
 #endif
@@ -693,6 +698,9 @@ struct Attention {
     // Either way a lane's accumulators belong to the rows it computes the
     // softmax of: rescaling them needs no shuffle.
     constexpr int NP = (QUADS + 1) / 2;                   // output column tiles
+    // 16-token steps a softmax round (the loop over a tile's keys).
+    constexpr int GS = KVC_ROUND_STEPS > 0 ? KVC_ROUND_STEPS : QUADS == 1 ? TILE / 16 : 1;
+    static_assert(TILE % (16 * GS) == 0, "whole rounds a tile");
     constexpr bool kLowSlot = QUADS % 2 == 1;             // the last tile's j = 1: low halves
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -882,21 +890,25 @@ struct Attention {
                                                            T::kKeyBytes + T::kValueBytes) + warp;
       const u32* value_scales = key_scales + TILE * HEADS;
 
-      // A tile's steps unrolled (decode: one quad of rows), so that one step's
-      // loads, conversions and score products overlap the previous step's softmax
-      // and output products: int4, d = 128, 32 x 32768 (H200, tools/decode_variants.py,
-      // three alternating runs): 2.77-2.78 TB/s against 2.62-2.64 rolled.
-#pragma unroll (QUADS == 1 ? TILE / 16 : 1)
-      for (int step = 0; step < (KVC_STAGING_ONLY ? 0 : TILE / 16); ++step) {
-        // Scores of tokens g (c0 + c1) and g + 8 (c2 + c3), row t of each quad.
-        float score[QUADS][4];
+      // Steps of 16 tokens, GS of them a softmax round (decode: a tile's two
+      // steps, one quad of rows): the round's score products are independent
+      // chains, and its maxima, sums, reference and rescaling are worked out
+      // once for 16 GS tokens instead of once a step.
+#pragma unroll 1
+      for (int round = 0; round < (KVC_STAGING_ONLY ? 0 : TILE / (16 * GS)); ++round) {
+        const int first_step = round * GS;
+        // Scores of tokens g (c0 + c1) and g + 8 (c2 + c3) of each step, row t of each quad.
+        float score[GS][QUADS][4];
   #pragma unroll
-        for (int quad = 0; quad < QUADS; ++quad)
+        for (int j = 0; j < GS; ++j)
   #pragma unroll
-          for (int i = 0; i < 4; ++i) score[quad][i] = 0.f;
-        {
+          for (int quad = 0; quad < QUADS; ++quad)
+  #pragma unroll
+            for (int i = 0; i < 4; ++i) score[j][quad][i] = 0.f;
+  #pragma unroll
+        for (int j = 0; j < GS; ++j) {
           // The A fragment of k step kc is the two tokens' {b0, b1} pairs interleaved.
-          const u8* row = keys + (step * 16 + g) * T::kKeyStride;
+          const u8* row = keys + ((first_step + j) * 16 + g) * T::kKeyStride;
           u32 words[2][T::kKeyWords];
   #pragma unroll
           for (int vector = 0; vector < T::kKeyWords / T::kKeyVector; ++vector) {
@@ -909,28 +921,33 @@ struct Attention {
               key_fragment(words[0], kc, a[0], a[2]);
               key_fragment(words[1], kc, a[1], a[3]);
   #pragma unroll
-              for (int quad = 0; quad < QUADS; ++quad) mma<kBf16>(score[quad], a, qb[quad][kc][0], qb[quad][kc][1]);
+              for (int quad = 0; quad < QUADS; ++quad)
+                mma<kBf16>(score[j][quad], a, qb[quad][kc][0], qb[quad][kc][1]);
             }
           }
         }
-        // This thread's tokens: g (i = 0) and g + 8 (i = 1).
-        float key_scale[2], value_scale[2], key_zero_point[2];
-        u32 value_bits[2];
+        // This thread's tokens of step j: g (i = 0) and g + 8 (i = 1).
+        float key_scale[GS][2], value_scale[GS][2], key_zero_point[GS][2];
+        u32 value_bits[GS][2];
+        float largest_value_scale = 0.f;
   #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int column = step * 16 + g + 8 * i;
-          const u32 key_bits = kQuantized ? key_scales[column * HEADS] : 0u;
-          value_bits[i] = kQuantized ? value_scales[column * HEADS] : 0u;
-          key_scale[i] = kQuantized ? scale_of(key_bits) * kCodeUnit : 1.f;
-          key_zero_point[i] = zero_point_of(key_bits);
-          value_scale[i] = kQuantized ? scale_of(value_bits[i]) * kCodeUnit : 1.f;
-          // A row past the keys holds stale bytes under bulk staging: its scale
-          // must not set R (its probability is 0 anyway).
-          if (KVC_BULK && base + column >= key_hi) value_scale[i] = 0.f;
+        for (int j = 0; j < GS; ++j) {
+  #pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int column = (first_step + j) * 16 + g + 8 * i;
+            const u32 key_bits = kQuantized ? key_scales[column * HEADS] : 0u;
+            value_bits[j][i] = kQuantized ? value_scales[column * HEADS] : 0u;
+            key_scale[j][i] = kQuantized ? scale_of(key_bits) * kCodeUnit : 1.f;
+            key_zero_point[j][i] = zero_point_of(key_bits);
+            value_scale[j][i] = kQuantized ? scale_of(value_bits[j][i]) * kCodeUnit : 1.f;
+            // A row past the keys holds stale bytes under bulk staging: its scale
+            // must not set R (its probability is 0 anyway).
+            if (KVC_BULK && base + column >= key_hi) value_scale[j][i] = 0.f;
+            largest_value_scale = fmaxf(largest_value_scale, value_scale[j][i]);
+          }
         }
         float tile_reference = reference;
-        if constexpr (kQuantized)
-          tile_reference = fmaxf(reference, max_over_columns(fmaxf(value_scale[0], value_scale[1])));
+        if constexpr (kQuantized) tile_reference = fmaxf(reference, max_over_columns(largest_value_scale));
         // Approximate division suffices: these only choose the units of the
         // accumulators, and `unchanged` compares the references themselves.
         bool unchanged = tile_reference == reference;
@@ -939,37 +956,48 @@ struct Attention {
         const float to_reference = tile_reference > 0.f ? __fdividef(1.f, tile_reference) : 1.f;
         reference = tile_reference;
 
-        // Probabilities times value scale / R of tokens g, g + 8 per quad, as
-        // the fp16 (bf16) values the output product sees: high halves, and the
-        // low halves where an operand carries them.
-        float weighted_high[QUADS][2], weighted_low[QUADS][2];
+        // Probabilities times value scale / R of tokens g, g + 8 of each step per
+        // quad, as the fp16 (bf16) values the output product sees: high halves,
+        // and the low halves where an operand carries them.
+        float weighted_high[GS][QUADS][2], weighted_low[GS][QUADS][2];
         float alpha[QUADS];
-        const int step_first = base + step * 16;
+        const int round_first = base + first_step * 16;
   #pragma unroll
         for (int quad = 0; quad < QUADS; ++quad) {
-          float s[2];
-          // Every row sees every token of this step (the usual decode step): no masks.
-          const bool all_visible = step_first + 16 <= key_hi && step_first + 15 <= min_row_position &&
-                                   (p.window == 0 || step_first > max_row_position - p.window);
+          float s[GS][2];
+          // Every row sees every token of this round (the usual decode round): no masks.
+          const bool all_visible = round_first + 16 * GS <= key_hi && round_first + 16 * GS - 1 <= min_row_position &&
+                                   (p.window == 0 || round_first > max_row_position - p.window);
+          float largest = -KVC_INFINITY;
   #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            float raw = score[quad][2 * i] + score[quad][2 * i + 1];
-            if constexpr (KV == KV_INT4) raw -= fmaf(key_zero_point[i], zero_point_weight[quad], offset_weight[quad]);
-            else if constexpr (kOffset) raw -= offset_weight[quad];
-            float v = raw * row_unscale[quad] * key_scale[i];
-            if (p.softcap > 0.f) v = p.softcap * tanhf(v / p.softcap);
-            s[i] = v;
+          for (int j = 0; j < GS; ++j) {
+  #pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              float raw = score[j][quad][2 * i] + score[j][quad][2 * i + 1];
+              if constexpr (KV == KV_INT4)
+                raw -= fmaf(key_zero_point[j][i], zero_point_weight[quad], offset_weight[quad]);
+              else if constexpr (kOffset)
+                raw -= offset_weight[quad];
+              float v = raw * row_unscale[quad] * key_scale[j][i];
+              if (p.softcap > 0.f) v = p.softcap * tanhf(v / p.softcap);
+              s[j][i] = v;
+            }
           }
           if (!all_visible) {   // uniform across the warp: a branch, not selects on every score
   #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              const int position = step_first + g + 8 * i;
-              const bool visible = row_valid[quad] && position < key_hi && position <= row_position[quad] &&
-                                   (p.window == 0 || position > row_position[quad] - p.window);
-              if (!visible) s[i] = -KVC_INFINITY;
+            for (int j = 0; j < GS; ++j) {
+  #pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                const int position = round_first + 16 * j + g + 8 * i;
+                const bool visible = row_valid[quad] && position < key_hi && position <= row_position[quad] &&
+                                     (p.window == 0 || position > row_position[quad] - p.window);
+                if (!visible) s[j][i] = -KVC_INFINITY;
+              }
             }
           }
-          const float tile_max = max_over_columns(fmaxf(s[0], s[1]));
+  #pragma unroll
+          for (int j = 0; j < GS; ++j) largest = fmaxf(largest, fmaxf(s[j][0], s[j][1]));
+          const float tile_max = max_over_columns(largest);
           const float new_max = fmaxf(running_max[quad], tile_max);
           const float shift = new_max == -KVC_INFINITY ? 0.f : new_max;
           alpha[quad] = new_max == running_max[quad] ? 1.f : fast_exp2((running_max[quad] - shift) * kLog2e);
@@ -977,13 +1005,16 @@ struct Attention {
           running_max[quad] = new_max;
           float sum = 0.f;
   #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const float prob = fast_exp2((s[i] - shift) * kLog2e);
-            sum += prob;
-            // A token no row here sees adds nothing, even with a NaN scale.
-            const float w = prob == 0.f ? 0.f : prob * (kQuantized ? value_scale[i] * to_reference : 1.f);
-            weighted_high[quad][i] = unpack(pack(w, 0.f)).x;
-            weighted_low[quad][i] = unpack(pack(w - weighted_high[quad][i], 0.f)).x;
+          for (int j = 0; j < GS; ++j) {
+  #pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const float prob = fast_exp2((s[j][i] - shift) * kLog2e);
+              sum += prob;
+              // A token no row here sees adds nothing, even with a NaN scale.
+              const float w = prob == 0.f ? 0.f : prob * (kQuantized ? value_scale[j][i] * to_reference : 1.f);
+              weighted_high[j][quad][i] = unpack(pack(w, 0.f)).x;
+              weighted_low[j][quad][i] = unpack(pack(w - weighted_high[j][quad][i], 0.f)).x;
+            }
           }
           running_sum[quad] = running_sum[quad] * alpha[quad] + sum;
         }
@@ -1008,23 +1039,24 @@ struct Attention {
             offset_sum[np][3] *= f1;
           }
         }
-        // P^T fragments: lane (g, t) packs row g (token), columns 2t, 2t + 1 of
-        // each 8 x 8 half (tokens 0-7, 8-15) and the transpose hands it column
-        // g, tokens 2t, 2t + 1: the B fragment {b0, b1}.
-        u32 pb[NP][2][2];   // [np][high, low][b0, b1]
   #pragma unroll
-        for (int np = 0; np < NP; ++np) {
-          const int second = min(2 * np + 1, QUADS - 1);
+        for (int j = 0; j < GS; ++j) {
+          // P^T fragments of step j: lane (g, t) packs row g (token), columns 2t,
+          // 2t + 1 of each 8 x 8 half (tokens 0-7, 8-15) and the transpose hands
+          // it column g, tokens 2t, 2t + 1: the B fragment {b0, b1}.
+          u32 pb[NP][2][2];   // [np][high, low][b0, b1]
   #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const float w0 = weighted_high[2 * np][i];
-            const float w1 = kLowSlot && np == NP - 1 ? weighted_low[2 * np][i] : weighted_high[second][i];
-            pb[np][0][i] = transpose8x8(pack(w0, w1));
-            if constexpr (kBf16 && !kLowSlot)
-              pb[np][1][i] = transpose8x8(pack(weighted_low[2 * np][i], weighted_low[second][i]));
+          for (int np = 0; np < NP; ++np) {
+            const int second = min(2 * np + 1, QUADS - 1);
+  #pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const float w0 = weighted_high[j][2 * np][i];
+              const float w1 = kLowSlot && np == NP - 1 ? weighted_low[j][2 * np][i] : weighted_high[j][second][i];
+              pb[np][0][i] = transpose8x8(pack(w0, w1));
+              if constexpr (kBf16 && !kLowSlot)
+                pb[np][1][i] = transpose8x8(pack(weighted_low[j][2 * np][i], weighted_low[j][second][i]));
+            }
           }
-        }
-        {
           // Lane g's share of the value rows of tokens 2t, 2t+1, 2t+8, 2t+9, a vector
           // of units at a time, each used by the M tiles it holds.
           u32 words[4][(T::kValueUnits + 1) / 2];
@@ -1034,7 +1066,8 @@ struct Attention {
   #pragma unroll
             for (int c = 0; c < 4; ++c)
               load_lane_vector<kValueVecBytes, 8>(
-                  values + (step * 16 + 2 * t + (c & 1) + 8 * (c >> 1)) * T::kValueStride, g, vector, words[c]);
+                  values + ((first_step + j) * 16 + 2 * t + (c & 1) + 8 * (c >> 1)) * T::kValueStride, g, vector,
+                  words[c]);
   #pragma unroll
             for (int md = 0; md < MD; ++md) {
               if (value_unit_of(md) / T::kValueVector != vector) continue;
@@ -1050,10 +1083,10 @@ struct Attention {
           if constexpr (kOffset) {
             // Lane (0, t) needs tokens 2t, 2t + 1 (and + 8): the scale words of lanes g = 2t, 2t + 1.
             u32 a[4] = {0u, 0u, 0u, 0u};
-            const u32 bits_a0 = __shfl_sync(0xffffffffu, value_bits[0], 8 * t);
-            const u32 bits_a1 = __shfl_sync(0xffffffffu, value_bits[0], 8 * t + 4);
-            const u32 bits_b0 = __shfl_sync(0xffffffffu, value_bits[1], 8 * t);
-            const u32 bits_b1 = __shfl_sync(0xffffffffu, value_bits[1], 8 * t + 4);
+            const u32 bits_a0 = __shfl_sync(0xffffffffu, value_bits[j][0], 8 * t);
+            const u32 bits_a1 = __shfl_sync(0xffffffffu, value_bits[j][0], 8 * t + 4);
+            const u32 bits_b0 = __shfl_sync(0xffffffffu, value_bits[j][1], 8 * t);
+            const u32 bits_b1 = __shfl_sync(0xffffffffu, value_bits[j][1], 8 * t + 4);
             if (g == 0) {
               a[0] = offset_pair(bits_a0, bits_a1, false);
               a[1] = offset_pair(bits_a0, bits_a1, true);
