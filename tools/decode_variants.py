@@ -8,6 +8,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
              (KVCUPY_KERNEL_DIR), e.g. an older version's, for a side-by-side
   "defines": extra -D defines (e.g. {"KVC_STAGING_ONLY": 1}: copies, no math)
   "tile", "stages", "splits", "bulk": planner choices forced to these values
+  "long_split_tokens": the planner's LONG_SPLIT_TOKENS (splits shorter than this
+             take 16-token tiles, whatever "tile" says)
 SHAPE is a JSON object overriding the default decode shape: batch 32, context
 32768, d 128, 8 KV / 32 query heads, block size 16 (pages in random order,
 random codes and scales, no rotation).
@@ -62,6 +64,8 @@ def overrides(variant: dict):
     cuda_attention._choose_kernel = choose
     cuda_attention.choose_splits = splits
     cuda_attention.STAGES = stages
+    long_split_tokens = cuda_attention.LONG_SPLIT_TOKENS
+    cuda_attention.LONG_SPLIT_TOKENS = variant.get("long_split_tokens", long_split_tokens)
     if variant.get("src"):
         os.environ[jit.SOURCE_DIR_ENV] = os.path.abspath(variant["src"])
     else:
@@ -71,6 +75,7 @@ def overrides(variant: dict):
     finally:
         (cuda_attention.Kernel.defines, cuda_attention._choose_kernel, cuda_attention.choose_splits,
          cuda_attention.STAGES) = saved[:4]
+        cuda_attention.LONG_SPLIT_TOKENS = long_split_tokens
         if saved[4] is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
         else:

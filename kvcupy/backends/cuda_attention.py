@@ -48,10 +48,12 @@ MERGE_ROWS = 8           # attention.cuh: kMergeRows (a warp a row)
 # head size they spill even at 255 registers, so larger heads take more row tiles.
 MAX_HEAD_PAD_FOUR_QUADS = 128
 MIN_TILES_PER_SPLIT = 4  # a split below this many tiles costs more in merging than it gains
-# Splits shorter than this take 16-token tiles: a shallower pipeline fills and
-# drains sooner (H200, int4 d128 decode: 32 x 8192 1.60 -> 1.96 TB/s, 8 x 32768
-# 1.40 -> 1.89; 32 x 32768, 4096 tokens a split, keeps 32: 2.64 vs 2.39).
-LONG_SPLIT_TOKENS = 2048
+# Splits shorter than this take 16-token tiles (a shallower pipeline). 0: none
+# do, since a 32-token tile is one softmax round of two steps (attention.cuh).
+# Before the rounds 2048 paid (int4 d128 32 x 8192 1.60 -> 1.96 TB/s); with
+# them, 0 against 2048 (H200, tools/decode_variants.py "long_split_tokens",
+# alternating runs): 32 x 8192 2.18-2.20 vs 1.95, 8 x 32768 1.49-1.52 vs 1.50-1.51.
+LONG_SPLIT_TOKENS = 0
 # Prefill (prefill.cuh): batches whose longest query run has at least this many
 # (query token, head) rows per KV head take the prefill kernel, head sizes up to
 # PREFILL_MAX_HEAD_PAD (above, its register-held accumulators would spill).
