@@ -50,13 +50,14 @@
 #define KVC_BULK 0
 #endif
 
-// Diagnostics only (the launcher never sets it): stage every tile and skip the
-// math, to time the copy pipeline alone. Outputs are meaningless.
-// 16-token steps a softmax round; 0: the tile's for one quad of rows, else one.
+// 16-token steps a softmax round (Attention::run); 0: a tile's where a warp
+// holds one quad of rows, else one. Other values are for timing variants.
 #ifndef KVC_ROUND_STEPS
 #define KVC_ROUND_STEPS 0
 #endif
 
+// Diagnostics only (the launcher never sets it): stage every tile and skip the
+// math, to time the copy pipeline alone. Outputs are meaningless.
 #ifndef KVC_STAGING_ONLY
 #define KVC_STAGING_ONLY 0
 #endif
