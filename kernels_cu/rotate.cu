@@ -16,7 +16,9 @@ namespace {
 using namespace kvc;
 using Input = KVC_INPUT_T;
 using Output = KVC_OUTPUT_T;
-using Layout = RotationLayout<KVC_HEAD_SIZE, KVC_POW2, KVC_ROWS, KVC_COLUMNS, KVC_ROTATE != 0>;
+// 16-bit inputs rotated blockdiag try the exact integer path first (rotation.cuh).
+constexpr bool kExact = KVC_ROTATE && !KVC_KRON && SignificantBits<Input>::value > 0;
+using Layout = RotationLayout<KVC_HEAD_SIZE, KVC_POW2, KVC_ROWS, KVC_COLUMNS, KVC_ROTATE != 0, !kExact>;
 using Group = LaneGroup<Layout::kLanes>;
 
 // Fewer threads for very long lanes (odd head sizes whose pow2 factor is tiny),
@@ -59,6 +61,65 @@ __device__ __forceinline__ void fetch(const RotateParams& p, i64 row, int rank, 
     }
 }
 
+// y = the rotation of x (the lane's values, initial layout) divided as p says, final layout.
+__device__ __forceinline__ void transformed(const RotateParams& p, const Group& group, float (&x)[Layout::kValues],
+                                            float (&y)[Layout::kValues]) {
+    constexpr int C = Layout::kColumns;
+#if KVC_ROTATE
+    u32 signs[Layout::kRows];
+    if (p.inverse) {
+#pragma unroll
+        for (int a = 0; a < Layout::kRows; ++a) signs[a] = 0u;   // applied after the transform
+    } else {
+        initial_signs<Layout>(p.rotation, group.rank, signs);
+    }
+    if constexpr (kExact) {
+        // The reciprocal of a power-of-two divisor folds into the grid's unit;
+        // a product below float32's normal range, or another divisor, takes float64.
+        float signed_x[Layout::kValues];
+#pragma unroll
+        for (int i = 0; i < Layout::kValues; ++i) signed_x[i] = negate_if(x[i], (signs[i / C] >> (i % C)) & 1u);
+        const ExactGrid grid = exact_grid<SignificantBits<Input>::value, Layout::kRows>(signed_x, group);
+        const float unit = p.divide == kKeep ? grid.unit : __fmul_rn(grid.unit, float(p.reciprocal));
+        if (grid.ok && p.divide != kDivide && unit >= 1.17549435e-38f && unit <= 3.40282347e38f) {
+            exact_rotation<Layout>(signed_x, grid, group, unit, y);
+            if (p.inverse) {
+                u32 final[Layout::kRows];
+                final_signs<Layout>(p.rotation, group.rank, final);
+#pragma unroll
+                for (int i = 0; i < Layout::kValues; ++i) y[i] = negate_if(y[i], (final[i / C] >> (i % C)) & 1u);
+            }
+            return;
+        }
+    }
+    double v[Layout::kValues];
+    widen<Layout>(x, signs, v);
+    hadamard_rows<Layout>(v, group);
+#if KVC_KRON
+    mix_rows<Layout>(v, p.rotation + (p.inverse ? kInverseMix : kForwardMix));
+#endif
+    if (p.inverse) {
+        final_signs<Layout>(p.rotation, group.rank, signs);
+#pragma unroll
+        for (int i = 0; i < Layout::kValues; ++i) v[i] = negate_if(v[i], (signs[i / C] >> (i % C)) & 1u);
+    }
+#else
+    double v[Layout::kValues];
+#pragma unroll
+    for (int i = 0; i < Layout::kValues; ++i) v[i] = double(x[i]);
+#endif
+    if (p.divide == kDivide) {
+#pragma unroll
+        for (int i = 0; i < Layout::kValues; ++i) y[i] = __double2float_rn(__ddiv_rn(v[i], p.divisor));
+    } else if (p.divide == kMultiply) {
+#pragma unroll
+        for (int i = 0; i < Layout::kValues; ++i) y[i] = __double2float_rn(__dmul_rn(v[i], p.reciprocal));
+    } else {
+#pragma unroll
+        for (int i = 0; i < Layout::kValues; ++i) y[i] = __double2float_rn(v[i]);
+    }
+}
+
 // staged: this group's slice of shared memory (KVC_ORDERS only).
 __device__ __forceinline__ void rotate_row(const RotateParams& p, i64 row, const Group& group, const Fetched& f,
                                            float* staged) {
@@ -81,40 +142,8 @@ __device__ __forceinline__ void rotate_row(const RotateParams& p, i64 row, const
     }
 #endif
 
-    double v[Layout::kValues];
-#if KVC_ROTATE
-    u32 signs[Layout::kRows];
-    initial_signs<Layout>(p.rotation, group.rank, signs);
-    if (p.inverse) {
-#pragma unroll
-        for (int a = 0; a < Layout::kRows; ++a) signs[a] = 0u;   // applied after the transform
-    }
-    widen<Layout>(x, signs, v);
-    hadamard_rows<Layout>(v, group);
-#if KVC_KRON
-    mix_rows<Layout>(v, p.rotation + (p.inverse ? kInverseMix : kForwardMix));
-#endif
-    if (p.inverse) {
-        final_signs<Layout>(p.rotation, group.rank, signs);
-#pragma unroll
-        for (int i = 0; i < Layout::kValues; ++i) v[i] = negate_if(v[i], (signs[i / C] >> (i % C)) & 1u);
-    }
-#else
-#pragma unroll
-    for (int i = 0; i < Layout::kValues; ++i) v[i] = double(x[i]);
-#endif
-
     float y[Layout::kValues];
-    if (p.divide == kDivide) {
-#pragma unroll
-        for (int i = 0; i < Layout::kValues; ++i) y[i] = __double2float_rn(__ddiv_rn(v[i], p.divisor));
-    } else if (p.divide == kMultiply) {
-#pragma unroll
-        for (int i = 0; i < Layout::kValues; ++i) y[i] = __double2float_rn(__dmul_rn(v[i], p.reciprocal));
-    } else {
-#pragma unroll
-        for (int i = 0; i < Layout::kValues; ++i) y[i] = __double2float_rn(v[i]);
-    }
+    transformed(p, group, x, y);
 
 #if KVC_ORDERS
     if (p.write_order != nullptr) {

@@ -17,7 +17,9 @@ namespace {
 using namespace kvc;
 using Input = KVC_INPUT_T;
 using CacheT = KVC_CACHE_T;
-using Layout = RotationLayout<KVC_HEAD_SIZE, KVC_POW2, KVC_ROWS, KVC_COLUMNS, KVC_ROTATE != 0>;
+// 16-bit inputs rotated blockdiag try the exact integer path first (rotation.cuh).
+constexpr bool kExact = KVC_ROTATE && !KVC_KRON && SignificantBits<Input>::value > 0;
+using Layout = RotationLayout<KVC_HEAD_SIZE, KVC_POW2, KVC_ROWS, KVC_COLUMNS, KVC_ROTATE != 0, !kExact>;
 using Group = LaneGroup<Layout::kLanes>;
 
 #ifndef KVC_THREADS
@@ -50,6 +52,16 @@ __device__ __forceinline__ void load_vector(const Input* __restrict__ vector, in
 
 using Signs = LaneSigns<Layout, kInputSize == 2>;
 
+#if KVC_ROUND_TO_INPUT
+// The vllm preset: vLLM's transform returns the input dtype (rotation.round_for_cache).
+__device__ __forceinline__ void round_to_input(float (&y)[Layout::kValues]) {
+    Words<Layout::kValues * kInputSize> rounded;
+    to_run<Input, Layout::kValues>(y, rounded);
+#pragma unroll
+    for (int i = 0; i < Layout::kValues; ++i) y[i] = Scalar<Input>::to_float(element_bits<kInputSize>(rounded, i));
+}
+#endif
+
 // The values that get quantized (or stored, for auto), in the final layout.
 __device__ __forceinline__ void transformed(Words<kInputRunBytes> (&runs)[Layout::kRows], const Group& group,
                                             const Signs& signs, const u32* __restrict__ rotation,
@@ -63,6 +75,19 @@ __device__ __forceinline__ void transformed(Words<kInputRunBytes> (&runs)[Layout
 #if KVC_ROTATE
     u32 sign_bits[Layout::kRows];
     signs.bits(sign_bits);
+    if constexpr (kExact) {
+        float signed_x[Layout::kValues];
+#pragma unroll
+        for (int i = 0; i < Layout::kValues; ++i) signed_x[i] = negate_if(x[i], (sign_bits[i / C] >> (i % C)) & 1u);
+        const ExactGrid grid = exact_grid<SignificantBits<Input>::value, Layout::kRows>(signed_x, group);
+        if (grid.ok) {
+            exact_rotation<Layout>(signed_x, grid, group, grid.unit, y);
+#if KVC_ROUND_TO_INPUT
+            round_to_input(y);
+#endif
+            return;
+        }
+    }
     double v[Layout::kValues];
     widen<Layout>(x, sign_bits, v);
     hadamard_rows<Layout>(v, group);
@@ -72,11 +97,7 @@ __device__ __forceinline__ void transformed(Words<kInputRunBytes> (&runs)[Layout
 #pragma unroll
     for (int i = 0; i < Layout::kValues; ++i) y[i] = __double2float_rn(v[i]);
 #if KVC_ROUND_TO_INPUT
-    // The vllm preset: vLLM's transform returns the input dtype (rotation.round_for_cache).
-    Words<Layout::kValues * kInputSize> rounded;
-    to_run<Input, Layout::kValues>(y, rounded);
-#pragma unroll
-    for (int i = 0; i < Layout::kValues; ++i) y[i] = Scalar<Input>::to_float(element_bits<kInputSize>(rounded, i));
+    round_to_input(y);
 #endif
 #else
 #pragma unroll

@@ -422,6 +422,72 @@ def test_rotate_rows_with_orders_and_divisor_matches_cpu_kernel(head_size, rotat
                                   f"orders={[o is not None for o in orders]}: {int(differ.sum())} values differ")
 
 
+# --- the exact integer path's edges --------------------------------------------
+
+def grid_edge_vectors(head_size: int, dtype: np.dtype, rng) -> np.ndarray:
+    """[vectors, head_size] at the edges of the write and rotate kernels' exact
+    integer path (rotation.cuh, exact_grid), each beside its neighbour across the
+    edge, which takes float64: the smallest non-zero magnitude at 2^-W of the
+    largest's binade and one binade below (W = 22 - significant bits: 14 for
+    bfloat16, 11 for half), with and without zeros; a block of signed zeros
+    beside non-zero blocks; the largest in the lowest binade the grid allows
+    and the one below (bfloat16: half has no such range); the largest finite
+    values (a rotation that overflows float32 for bfloat16)."""
+    window = 22 - {BF16: 8, FP16: 11}[dtype]
+    pow2 = head_size & -head_size
+
+    def spread(scale: float) -> np.ndarray:
+        return rng.uniform(1.0, 1.9, head_size) * rng.choice((-1.0, 1.0), head_size) * scale
+
+    vectors = []
+    for exponent in (-window, -window - 1):
+        v = spread(1.0)
+        v[0], v[5] = 1.99, -(2.0 ** exponent)
+        vectors.append(v)
+        v = v.copy()
+        v[7::9] = 0.0
+        v[11::9] = -0.0
+        vectors.append(v)
+    v = spread(1.0)
+    v[:pow2] = 0.0
+    v[1:pow2:3] = -0.0
+    vectors.append(v)
+    if dtype == BF16:
+        vectors += [spread(2.0 ** (22 - 127)), spread(2.0 ** (21 - 127))]
+    largest = float(ml_dtypes.finfo(dtype).max)
+    vectors.append(np.clip(spread(largest / 2), -largest, largest))
+    return np.stack(vectors).astype(dtype)
+
+
+@pytest.mark.parametrize("head_size", (96, 128, 256))
+@pytest.mark.parametrize("dtype", (BF16, FP16), ids=lambda d: d.name)
+def test_write_and_rotate_match_cpu_at_the_integer_paths_edges(head_size, dtype):
+    rng = np.random.default_rng(head_size)
+    vectors = grid_edge_vectors(head_size, dtype, rng)
+    key = vectors[:, None, :]
+    value = -key[::-1]
+    slots = np.arange(len(vectors), dtype=np.int64)
+    for rotation in ("blockdiag", "vllm"):
+        plan = make_plan(head_size, rotation)
+        for kv_dtype in ("int4_per_token_head", "fp8_per_token_head", "auto"):
+            caches = []
+            for device, k, v in (("cpu", key, value), ("cuda", on_device(key), on_device(value))):
+                cache = kc.allocate_cache(1, 16, 1, head_size, kv_dtype=kv_dtype, rotation=plan, device=device,
+                                          dtype=dtype.name)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    kc.reshape_and_cache(k, v, cache, slots)
+                caches.append(cache)
+            assert_same_bytes(*caches, f"d{head_size} {dtype.name} {rotation} {kv_dtype}",
+                              auto_nan_ok=kv_dtype == "auto")
+        for inverse in (False, True):
+            with np.errstate(over="ignore", invalid="ignore"):
+                expected = np.asarray(kc.rotate(vectors, plan, inverse=inverse))
+            got = cupy.asnumpy(kc.rotate(on_device(vectors), plan, inverse=inverse))
+            differ = expected.view(np.uint16) != got.view(np.uint16)
+            assert not differ.any(), (f"d{head_size} {dtype.name} {rotation} inverse={inverse}: values "
+                                      f"{np.argwhere(differ)[:5].tolist()} differ in their bits")
+
+
 # --- copy-on-write ------------------------------------------------------------
 
 def test_copy_blocks_matches_cpu_for_every_tensor_of_every_layer():
