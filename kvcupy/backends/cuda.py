@@ -224,8 +224,14 @@ def _rotation_on(plan: RotationPlan | None, device_index: int) -> cupy.ndarray:
 # (their layouts cap at 32 columns). Moving bits lost 7-14% on the write path
 # (an older kernel). The kron mix's extra registers spill at 32 (write) and 64
 # (rotate) values a lane: it keeps the smaller counts, as do rotations of long heads.
+# With the exact int32 path (rotation.cuh, exact_grid), tunings alternated in
+# one process on one H200: the write kernel at 4 blocks (128 registers, no
+# spills) against 2, int4 0.385 / 0.345; 5 blocks spill (0.362). 16 and 8
+# values a lane: int4 0.31 / 0.24, rotate d = 128 0.71 / 0.62. rotate at 4
+# blocks from d = 128 (0.80 / 0.75 at d = 128 / 256 against 0.78 / 0.72 at
+# 1), but 1 below (d = 64: 0.846 against 0.788 at 4).
 WRITE_LANE_VALUES = 32           # quantized caches
-WRITE_MIN_BLOCKS = 2
+WRITE_MIN_BLOCKS = 4
 WRITE_KRON_LANE_VALUES = 16
 WRITE_KRON_MIN_BLOCKS = 4
 WRITE_PLAIN_LANE_VALUES = 8      # auto caches without rotation: a conversion and a copy
@@ -236,6 +242,8 @@ ROTATE_NARROW_LANE_VALUES = 32
 WIDEN_BY_BITS = False
 WRITE_THREADS = 128
 ROTATE_MIN_BLOCKS = 1
+ROTATE_LONG_MIN_BLOCKS = 4       # head sizes from ROTATE_LONG_HEAD up
+ROTATE_LONG_HEAD = 128
 
 
 @dataclass(frozen=True)
@@ -366,7 +374,8 @@ def rotate_defines(head_size: int, plan: RotationPlan | None, input_dtype: np.dt
                    orders: bool) -> tuple:
     """The rotate kernel's specialisation under the current tuning."""
     return _rotate_defines(head_size, plan, np.dtype(input_dtype), np.dtype(output_dtype), bool(orders),
-                           _rotate_lane_values(head_size, plan), WIDEN_BY_BITS, ROTATE_MIN_BLOCKS)
+                           _rotate_lane_values(head_size, plan), WIDEN_BY_BITS,
+                           ROTATE_LONG_MIN_BLOCKS if head_size >= ROTATE_LONG_HEAD else ROTATE_MIN_BLOCKS)
 
 
 @functools.lru_cache(maxsize=None)

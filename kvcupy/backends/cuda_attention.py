@@ -54,6 +54,11 @@ MIN_TILES_PER_SPLIT = 4  # a split below this many tiles costs more in merging t
 # them, 0 against 2048 (H200, tools/decode_variants.py "long_split_tokens",
 # alternating runs): 32 x 8192 2.18-2.20 vs 1.95, 8 x 32768 1.49-1.52 vs 1.50-1.51.
 LONG_SPLIT_TOKENS = 0
+# int8 / fp8 decode takes 32-token tiles (_round_tile) where they leave a
+# multiprocessor at least this many warps: at d = 128 one block of 8 warps and
+# 198 KiB against two of 16-token tiles, fp8 32 x 32768 (H200,
+# tools/decode_variants.py, alternating runs) 3.45 and 3.59 vs 3.25 and 3.26 TB/s.
+DECODE_ROUND_MIN_WARPS = 8
 # Prefill (prefill.cuh): batches whose longest query run has at least this many
 # (query token, head) rows per KV head take the prefill kernel, head sizes up to
 # PREFILL_MAX_HEAD_PAD (above, its register-held accumulators would spill).
@@ -270,9 +275,22 @@ def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int) -> K
             bulk = _bulk_copies_fit(cache, kv, heads, stored_row, head_pad, capability)
             kernel = Kernel(kv, head_pad, heads, quads, tile, _copy_granule(cache, stored_row), bulk)
             if kernel.shared_bytes <= STAGES * STAGE_BYTES_TARGET + 16 * STAGES:
-                return kernel
+                return _round_tile(kernel)
             best = kernel
     return best
+
+
+def _round_tile(kernel: Kernel) -> Kernel:
+    """32-token tiles for decode over 1-byte codes too, where a block's stages still
+    fit a multiprocessor with at least DECODE_ROUND_MIN_WARPS warps: a tile of
+    one quad is one softmax round of two steps (attention.cuh), which pays for
+    the lost second block."""
+    if kernel.tile == 32 or kernel.quads != 1 or kernel.kv not in (KV_INT8, KV_FP8):
+        return kernel
+    wider = replace(kernel, tile=32)
+    if wider.shared_bytes > SHARED_BYTES_PER_SM or wider.blocks_per_sm * wider.heads < DECODE_ROUND_MIN_WARPS:
+        return kernel
+    return wider
 
 
 def choose_splits(base_blocks: int, slots: int, most: int) -> int:
@@ -672,7 +690,8 @@ def specialisations(all: bool) -> list:
                         tile = 32 if kv == KV_INT4 else 16
                         # Both stagings of quantized caches: bulk copies on sm_90 where the pages allow them.
                         stagings = (False, True) if kv in (KV_INT4, KV_INT8, KV_FP8) else (False,)
-                        kernels += [Kernel(kv, head_pad, heads, quads, tile, 16, bulk) for bulk in stagings]
+                        kernels += [_round_tile(Kernel(kv, head_pad, heads, quads, tile, 16, bulk))
+                                    for bulk in stagings]
                 if head_pad <= PREFILL_MAX_HEAD_PAD:
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, False))
                     if kv in (KV_INT4, KV_INT8, KV_FP8):
@@ -680,7 +699,8 @@ def specialisations(all: bool) -> list:
     else:
         kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, True), Kernel(KV_INT4, 96, 8, 4, 32, 4),
                    Kernel(KV_INT4, 64, 2, 2, 32, 1), Kernel(KV_INT8, 256, 8, 2, 16, 16),
-                   Kernel(KV_FP8, 128, 4, 4, 16, 16, True), Kernel(KV_F16, 128, 4, 1, 16, 16),
+                   Kernel(KV_FP8, 128, 4, 4, 16, 16, True), Kernel(KV_FP8, 128, 8, 1, 32, 16, True),
+                   Kernel(KV_F16, 128, 4, 1, 16, 16),
                    Kernel(KV_BF16, 96, 4, 2, 16, 8), Kernel(KV_BF16, 64, 4, 1, 16, 16),
                    PrefillKernel.planned(KV_INT4, 128, 16, False), PrefillKernel.planned(KV_INT8, 96, 4, False),
                    PrefillKernel.planned(KV_FP8, 64, 16, False), PrefillKernel.planned(KV_F16, 128, 16, False),
