@@ -42,7 +42,7 @@ def launcher_kernel(defines: dict) -> Kernel | PrefillKernel:
         return PrefillKernel(defines["KVC_PREFILL_KV"], defines["KVC_HEAD_PAD"], defines["KVC_TILE"],
                              defines["KVC_CHUNK"], defines["KVC_WARPS"], bool(defines.get("KVC_WGMMA", 0)))
     return Kernel(defines["KVC_ATTN_KV"], defines["KVC_HEAD_PAD"], defines["KVC_HEADS"], defines["KVC_QUADS"],
-                  defines["KVC_TILE"], defines["KVC_CHUNK"], bool(defines["KVC_BULK"]))
+                  defines["KVC_TILE"], defines["KVC_CHUNK"], bool(defines["KVC_BULK"]), defines["KVC_STAGES"])
 
 
 def kernel_constant(text: str, kernel: Kernel | PrefillKernel) -> int:
@@ -51,8 +51,8 @@ def kernel_constant(text: str, kernel: Kernel | PrefillKernel) -> int:
         arguments = (kernel.kv, kernel.head_pad, kernel.warps, kernel.tile, kernel.stages, kernel.chunk)
         name = "7PrefillI" + "".join(f"Li{a}E" for a in arguments) + f"Lb{int(kernel.wgmma)}E"
     else:
-        arguments = (kernel.kv, kernel.head_pad, kernel.heads, kernel.quads, kernel.tile,
-                     cuda_attention.STAGES, kernel.chunk)
+        arguments = (kernel.kv, kernel.head_pad, kernel.heads, kernel.quads, kernel.tile, kernel.stages,
+                     kernel.chunk)
         name = "6TraitsI" + "".join(f"Li{a}E" for a in arguments)
     found = re.search(rf"_ZN8kvc_attn{name}E12kSharedBytesE = (\d+);", text)
     assert found, f"no kSharedBytes of {name} in the PTX"

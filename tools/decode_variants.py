@@ -8,6 +8,7 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
              (KVCUPY_KERNEL_DIR), e.g. an older version's, for a side-by-side
   "defines": extra -D defines (e.g. {"KVC_STAGING_ONLY": 1}: copies, no math)
   "tile", "stages", "splits", "bulk": planner choices forced to these values
+             ("stages" also sets the planner's default STAGES)
   "long_split_tokens": the planner's LONG_SPLIT_TOKENS (splits shorter than this
              take 16-token tiles, whatever "tile" says)
 SHAPE is a JSON object overriding the default decode shape: batch 32, context
@@ -50,11 +51,11 @@ def overrides(variant: dict):
     stages = variant.get("stages", cuda_attention.STAGES)
 
     def defines(kernel):
-        return {**plain_defines(kernel), **variant.get("defines", {}), "KVC_STAGES": stages}
+        return {**plain_defines(kernel), **variant.get("defines", {})}
 
     def choose(cache, kv, rows, capability):
         kernel = plain_choose(cache, kv, rows, capability)
-        forced = {key: variant[key] for key in ("tile", "bulk") if key in variant}
+        forced = {key: variant[key] for key in ("tile", "bulk", "stages") if key in variant}
         return replace(kernel, **forced)
 
     def splits(base_blocks, slots, most):

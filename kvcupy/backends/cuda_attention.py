@@ -55,10 +55,14 @@ MIN_TILES_PER_SPLIT = 4  # a split below this many tiles costs more in merging t
 # alternating runs): 32 x 8192 2.18-2.20 vs 1.95, 8 x 32768 1.49-1.52 vs 1.50-1.51.
 LONG_SPLIT_TOKENS = 0
 # int8 / fp8 decode takes 32-token tiles (_round_tile) where they leave a
-# multiprocessor at least this many warps: at d = 128 one block of 8 warps and
-# 198 KiB against two of 16-token tiles, fp8 32 x 32768 (H200,
-# tools/decode_variants.py, alternating runs) 3.45 and 3.59 vs 3.25 and 3.26 TB/s.
+# multiprocessor at least this many warps (H200, tools/decode_variants.py,
+# 32 x 32768, alternating runs): at d = 128 one block of 8 warps and 198 KiB
+# against two of 16-token tiles, fp8 3.45 and 3.59 vs 3.25 and 3.26 TB/s, int8
+# 3.82 and 3.82 vs 3.65 and 3.68 (two stages: fp8 3.43, the same); at d = 96
+# two stages (two blocks) against three (one), int8 3.41 and 3.40 vs 3.27
+# and 3.20, fp8 3.44 and 3.53 vs 3.11 and 3.06.
 DECODE_ROUND_MIN_WARPS = 8
+DECODE_ROUND_MAX_HEAD_PAD = 128   # larger heads: not measured, they keep 16-token tiles
 # Prefill (prefill.cuh): batches whose longest query run has at least this many
 # (query token, head) rows per KV head take the prefill kernel, head sizes up to
 # PREFILL_MAX_HEAD_PAD (above, its register-held accumulators would spill).
@@ -96,6 +100,7 @@ class Kernel:
     tile: int           # tokens per pipeline stage
     chunk: int          # bytes per cp.async (1: plain byte loads)
     bulk: bool = False  # stage rows with sm_90's bulk copies (attention.cuh's KVC_BULK)
+    stages: int = STAGES  # pipeline depth in tiles
 
     entry = "paged_attention"
     arch = None         # the device's own arch (PrefillKernel's wgmma build asks for sm_90a)
@@ -121,7 +126,7 @@ class Kernel:
     @property
     def defines(self) -> dict:
         return {"KVC_ATTN_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_HEADS": self.heads,
-                "KVC_QUADS": self.quads, "KVC_TILE": self.tile, "KVC_STAGES": STAGES,
+                "KVC_QUADS": self.quads, "KVC_TILE": self.tile, "KVC_STAGES": self.stages,
                 "KVC_CHUNK": self.chunk, "KVC_MIN_BLOCKS": self.blocks_per_sm,
                 "KVC_BULK": int(self.bulk)}
 
@@ -142,7 +147,7 @@ class Kernel:
         if self.bulk:   # pages copied as they are: unpadded rows
             key_stride = value_stride = heads_bytes
         stage = self.tile * (key_stride + value_stride) + 2 * self.tile * self.heads * 4
-        return STAGES * stage + (16 * STAGES if self.bulk else 0)   # + two mbarriers a stage
+        return self.stages * stage + (16 * self.stages if self.bulk else 0)   # + two mbarriers a stage
 
 
 @dataclass(frozen=True)
@@ -284,13 +289,19 @@ def _round_tile(kernel: Kernel) -> Kernel:
     """32-token tiles for decode over 1-byte codes too, where a block's stages still
     fit a multiprocessor with at least DECODE_ROUND_MIN_WARPS warps: a tile of
     one quad is one softmax round of two steps (attention.cuh), which pays for
-    the lost second block."""
-    if kernel.tile == 32 or kernel.quads != 1 or kernel.kv not in (KV_INT8, KV_FP8):
+    a lost second block. Two stages instead of three where that keeps more
+    warps (more blocks) a multiprocessor."""
+    if (kernel.tile == 32 or kernel.quads != 1 or kernel.kv not in (KV_INT8, KV_FP8)
+            or kernel.head_pad > DECODE_ROUND_MAX_HEAD_PAD):
         return kernel
-    wider = replace(kernel, tile=32)
-    if wider.shared_bytes > SHARED_BYTES_PER_SM or wider.blocks_per_sm * wider.heads < DECODE_ROUND_MIN_WARPS:
-        return kernel
-    return wider
+    best = kernel
+    for stages in (STAGES, 2):
+        wider = replace(kernel, tile=32, stages=stages)
+        warps = wider.blocks_per_sm * wider.heads
+        if (wider.shared_bytes <= SHARED_BYTES_PER_SM and warps >= DECODE_ROUND_MIN_WARPS
+                and (best is kernel or warps > best.blocks_per_sm * best.heads)):
+            best = wider
+    return best
 
 
 def choose_splits(base_blocks: int, slots: int, most: int) -> int:
@@ -700,6 +711,7 @@ def specialisations(all: bool) -> list:
         kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, True), Kernel(KV_INT4, 96, 8, 4, 32, 4),
                    Kernel(KV_INT4, 64, 2, 2, 32, 1), Kernel(KV_INT8, 256, 8, 2, 16, 16),
                    Kernel(KV_FP8, 128, 4, 4, 16, 16, True), Kernel(KV_FP8, 128, 8, 1, 32, 16, True),
+                   Kernel(KV_INT8, 96, 8, 1, 32, 16, True, 2),
                    Kernel(KV_F16, 128, 4, 1, 16, 16),
                    Kernel(KV_BF16, 96, 4, 2, 16, 8), Kernel(KV_BF16, 64, 4, 1, 16, 16),
                    PrefillKernel.planned(KV_INT4, 128, 16, False), PrefillKernel.planned(KV_INT8, 96, 4, False),
