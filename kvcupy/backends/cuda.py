@@ -227,7 +227,8 @@ def _rotation_on(plan: RotationPlan | None, device_index: int) -> cupy.ndarray:
 # With the exact int32 path (rotation.cuh, exact_grid), tunings alternated in
 # one process on one H200: the write kernel at 4 blocks (128 registers, no
 # spills) against 2, int4 0.385 / 0.345; 5 blocks spill (0.362). 16 and 8
-# values a lane: int4 0.31 / 0.24, rotate d = 128 0.71 / 0.62. rotate at 4
+# values a lane (a version that traded lane bits through shared memory):
+# int4 0.31 / 0.24, rotate d = 128 0.71 / 0.62. rotate at 4
 # blocks from d = 128 (0.80 / 0.75 at d = 128 / 256 against 0.78 / 0.72 at
 # 1), but 1 below (d = 64: 0.846 against 0.788 at 4).
 WRITE_LANE_VALUES = 32           # quantized caches
