@@ -1,6 +1,8 @@
 // The Hadamard rotation of FORMAT.md in registers: a vector of d = ROWS * POW2
 // values spread over a group of lanes, transformed with float64 butterflies
 // and warp shuffles, bit for bit what cpu_kernels.rotate_rows computes.
+// Vectors of 16-bit inputs try an integer path first that computes the same
+// sums exactly where float64 does not round (exact_grid, at the end).
 //
 // Exactness: the CPU transform converts each float32 input to float64,
 // applies the radix-2 Sylvester stages h = 1, 2, 4, ... (its radix-4 first

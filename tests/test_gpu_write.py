@@ -3,7 +3,9 @@
 Cache bytes must be identical, scale words included: both backends follow
 docs/format.md's arithmetic exactly (float64 butterflies in the same order, one
 rounding to float32, float32 quantization with correctly rounded division and
-no contraction), so there is no tie to land on either side of. Every differing
+no contraction; the kernels' int32 path for 16-bit inputs forms the same
+sums exactly, where float64 does not round), so there is no tie to land on
+either side of. Every differing
 byte is counted and reported per tensor. Rotations are compared bit for bit
 too (the same arithmetic); the only allowed difference anywhere is the payload
 of a NaN, which CUDA returns canonical.
