@@ -7,8 +7,9 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
   "src":     a folder of kernel sources to compile instead of kernels_cu/
              (KVCUPY_KERNEL_DIR), e.g. an older version's, for a side-by-side
   "defines": extra -D defines (e.g. {"KVC_STAGING_ONLY": 1}: copies, no math)
-  "tile", "stages", "splits", "bulk": planner choices forced to these values
-             ("stages" also sets the planner's default STAGES)
+  "tile", "stages", "splits", "bulk", "heads": planner choices forced to these values
+             ("stages" also sets the planner's default STAGES; "heads": KV heads, i.e.
+             warps, a block; bulk staging needs every KV head in one block)
   "long_split_tokens": the planner's LONG_SPLIT_TOKENS (splits shorter than this
              take 16-token tiles, whatever "tile" says)
 SHAPE is a JSON object overriding the default decode shape: batch 32, context
@@ -55,7 +56,7 @@ def overrides(variant: dict):
 
     def choose(cache, kv, rows, capability):
         kernel = plain_choose(cache, kv, rows, capability)
-        forced = {key: variant[key] for key in ("tile", "bulk", "stages") if key in variant}
+        forced = {key: variant[key] for key in ("tile", "bulk", "stages", "heads") if key in variant}
         return replace(kernel, **forced)
 
     def splits(base_blocks, slots, most):
