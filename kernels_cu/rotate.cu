@@ -79,7 +79,7 @@ __device__ __forceinline__ void transformed(const RotateParams& p, const Group& 
         float signed_x[Layout::kValues];
 #pragma unroll
         for (int i = 0; i < Layout::kValues; ++i) signed_x[i] = negate_if(x[i], (signs[i / C] >> (i % C)) & 1u);
-        const ExactGrid grid = exact_grid<SignificantBits<Input>::value, Layout::kRows>(signed_x, group);
+        const ExactGrid grid = exact_grid<SignificantBits<Input>::value>(signed_x, group);
         const float unit = p.divide == kKeep ? grid.unit : __fmul_rn(grid.unit, float(p.reciprocal));
         if (grid.ok && p.divide != kDivide && unit >= 1.17549435e-38f && unit <= 3.40282347e38f) {
             exact_rotation<Layout>(signed_x, grid, group, unit, y);

@@ -309,9 +309,12 @@ __device__ __forceinline__ void widen(const float (&x)[Layout::kValues], const u
 //   - a sum of POW2 <= 256 such integers stays below 2^30, so the int32 adds
 //     are exact, as the float64 adds were;
 //   - an input with P significant bits lands on the grid when it is at least
-//     2^(22 - P) times the largest (14 binades for bfloat16, 11 for half;
-//     zeros take no bits). A vector with a smaller non-zero value, a NaN or
-//     inf, or a grid outside float32's normal range takes the float64 path.
+//     2^(22 - P) times the largest (14 binades for bfloat16, 11 for half).
+//     A vector with a smaller value, a NaN or inf, or a grid outside
+//     float32's normal range takes the float64 path;
+//   - so does a vector holding a zero: float64's butterflies can give -0 from
+//     zero inputs ((-0) + (-0), or -0 less an exact cancellation's +0) where
+//     the integers give +0. Without zero inputs every zero result is +0 in both.
 // float(n) * 2^-k then rounds the exact sum once to float32, as
 // __double2float_rn does (scaling a normal float by a power of two is exact).
 template <class T> struct SignificantBits { static constexpr int value = 0; };   // 0: no integer path
@@ -329,10 +332,9 @@ struct ExactGrid {
     float unit;      // 2^-k
 };
 
-template <int SIGNIFICANT_BITS, int ROWS, int VALUES, class Group>
+template <int SIGNIFICANT_BITS, int VALUES, class Group>
 __device__ __forceinline__ ExactGrid exact_grid(const float (&x)[VALUES], const Group& group) {
-    const float kInf = __uint_as_float(0x7f800000u);
-    float largest = 0.0f, smallest = kInf;
+    float largest = 0.0f, smallest = __uint_as_float(0x7f800000u);
 #pragma unroll
     for (int i = 0; i < VALUES; ++i) {
         largest = max_nan(largest, fabsf(x[i]));   // NaN: exponent field 255, rejected below
@@ -340,28 +342,10 @@ __device__ __forceinline__ ExactGrid exact_grid(const float (&x)[VALUES], const 
     }
     largest = group.max(largest);
     smallest = group.min(smallest);
-    if (smallest == 0.0f) {   // the same for the whole group
-        // Zeros take no bits: the smallest non-zero magnitude decides (a second pass, only here).
-        smallest = kInf;
-#pragma unroll
-        for (int i = 0; i < VALUES; ++i) smallest = fminf(smallest, x[i] != 0.0f ? fabsf(x[i]) : kInf);
-        smallest = group.min(smallest);
-        if constexpr (ROWS > 1) {
-            // A row (block) of zeros beside non-zero ones: float64 sums its signed
-            // zeros to -0 in places, the integers to +0. It takes float64.
-            constexpr int C = VALUES / ROWS;
-#pragma unroll
-            for (int a = 0; a < ROWS; ++a) {
-                float row_largest = 0.0f;
-#pragma unroll
-                for (int s = 0; s < C; ++s) row_largest = fmaxf(row_largest, fabsf(x[a * C + s]));
-                if (group.max(row_largest) == 0.0f) smallest = 0.0f;
-            }
-        }
-    }
     // largest in [2^(top-127), 2^(top-126)): k = 148 - top puts it below 2^22.
+    // A zero fails the smallest's test: see the note above.
     const int top = int((__float_as_uint(largest) >> 23) & 0xffu);
-    const bool ok = top >= 22 && top <= 254 &&   // all zero (top 0), non-finite (255), or a subnormal grid
+    const bool ok = top >= 22 && top <= 254 &&   // non-finite (255), or a subnormal grid
                     smallest >= __uint_as_float(u32(top + SIGNIFICANT_BITS - 22) << 23);
     return {ok, __uint_as_float(u32(275 - top) << 23), __uint_as_float(u32(top - 21) << 23)};
 }

@@ -79,7 +79,7 @@ __device__ __forceinline__ void transformed(Words<kInputRunBytes> (&runs)[Layout
         float signed_x[Layout::kValues];
 #pragma unroll
         for (int i = 0; i < Layout::kValues; ++i) signed_x[i] = negate_if(x[i], (sign_bits[i / C] >> (i % C)) & 1u);
-        const ExactGrid grid = exact_grid<SignificantBits<Input>::value, Layout::kRows>(signed_x, group);
+        const ExactGrid grid = exact_grid<SignificantBits<Input>::value>(signed_x, group);
         if (grid.ok) {
             exact_rotation<Layout>(signed_x, grid, group, grid.unit, y);
 #if KVC_ROUND_TO_INPUT

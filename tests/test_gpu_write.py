@@ -426,15 +426,17 @@ def test_rotate_rows_with_orders_and_divisor_matches_cpu_kernel(head_size, rotat
 
 # --- the exact integer path's edges --------------------------------------------
 
-def grid_edge_vectors(head_size: int, dtype: np.dtype, rng) -> np.ndarray:
+def grid_edge_vectors(head_size: int, dtype: np.dtype, rng, signs: np.ndarray) -> np.ndarray:
     """[vectors, head_size] at the edges of the write and rotate kernels' exact
     integer path (rotation.cuh, exact_grid), each beside its neighbour across the
-    edge, which takes float64: the smallest non-zero magnitude at 2^-W of the
+    edge, which takes float64: the smallest magnitude at 2^-W of the
     largest's binade and one binade below (W = 22 - significant bits: 14 for
-    bfloat16, 11 for half), with and without zeros; a block of signed zeros
-    beside non-zero blocks; the largest in the lowest binade the grid allows
-    and the one below (bfloat16: half has no such range); the largest finite
-    values (a rotation that overflows float32 for bfloat16)."""
+    bfloat16, 11 for half), and the same with zeros (which take float64); a
+    block of signed zeros beside non-zero blocks, and one beside an exact
+    cancellation (float64 gives -0 there: the pattern is set after `signs`,
+    the plan's sign vector); the largest in the lowest binade
+    the grid allows and the one below (bfloat16: half has no such range); the
+    largest finite values (a rotation that overflows float32 for bfloat16)."""
     window = 22 - {BF16: 8, FP16: 11}[dtype]
     pow2 = head_size & -head_size
 
@@ -454,6 +456,10 @@ def grid_edge_vectors(head_size: int, dtype: np.dtype, rng) -> np.ndarray:
     v[:pow2] = 0.0
     v[1:pow2:3] = -0.0
     vectors.append(v)
+    v = np.zeros(head_size)
+    v[: pow2 // 2] = -0.0
+    v[pow2 // 2], v[pow2 // 2 + 1] = 1.0, -1.0
+    vectors.append(v * signs)
     if dtype == BF16:
         vectors += [spread(2.0 ** (22 - 127)), spread(2.0 ** (21 - 127))]
     largest = float(ml_dtypes.finfo(dtype).max)
@@ -464,13 +470,13 @@ def grid_edge_vectors(head_size: int, dtype: np.dtype, rng) -> np.ndarray:
 @pytest.mark.parametrize("head_size", (96, 128, 256))
 @pytest.mark.parametrize("dtype", (BF16, FP16), ids=lambda d: d.name)
 def test_write_and_rotate_match_cpu_at_the_integer_paths_edges(head_size, dtype):
-    rng = np.random.default_rng(head_size)
-    vectors = grid_edge_vectors(head_size, dtype, rng)
-    key = vectors[:, None, :]
-    value = -key[::-1]
-    slots = np.arange(len(vectors), dtype=np.int64)
     for rotation in ("blockdiag", "vllm"):
         plan = make_plan(head_size, rotation)
+        rng = np.random.default_rng(head_size)
+        vectors = grid_edge_vectors(head_size, dtype, rng, np.asarray(plan.sign_vector(), np.float64))
+        key = vectors[:, None, :]
+        value = -key[::-1]
+        slots = np.arange(len(vectors), dtype=np.int64)
         for kv_dtype in ("int4_per_token_head", "fp8_per_token_head", "auto"):
             caches = []
             for device, k, v in (("cpu", key, value), ("cuda", on_device(key), on_device(value))):
