@@ -61,6 +61,10 @@ __device__ __forceinline__ void fetch(const RotateParams& p, i64 row, int rank, 
     }
 }
 
+// float32's smallest normal and largest finite values: the unit's admissible range.
+constexpr float kSmallestNormal = 1.17549435e-38f;
+constexpr float kLargestFinite = 3.40282347e38f;
+
 // y = the rotation of x (the lane's values, initial layout) divided as p says, final layout.
 __device__ __forceinline__ void transformed(const RotateParams& p, const Group& group, float (&x)[Layout::kValues],
                                             float (&y)[Layout::kValues]) {
@@ -81,7 +85,7 @@ __device__ __forceinline__ void transformed(const RotateParams& p, const Group& 
         for (int i = 0; i < Layout::kValues; ++i) signed_x[i] = negate_if(x[i], (signs[i / C] >> (i % C)) & 1u);
         const ExactGrid grid = exact_grid<SignificantBits<Input>::value>(signed_x, group);
         const float unit = p.divide == kKeep ? grid.unit : __fmul_rn(grid.unit, float(p.reciprocal));
-        if (grid.ok && p.divide != kDivide && unit >= 1.17549435e-38f && unit <= 3.40282347e38f) {
+        if (grid.ok && p.divide != kDivide && unit >= kSmallestNormal && unit <= kLargestFinite) {
             exact_rotation<Layout>(signed_x, grid, group, unit, y);
             if (p.inverse) {
                 u32 final[Layout::kRows];
