@@ -36,16 +36,22 @@
 
 #include "types.cuh"
 
-// Staging by the bulk-copy engine (sm_90): where a page holds the block's KV
-// heads as one contiguous run of bytes (all of the cache's heads in one
-// block), warp 0 alone copies each page's part of a tile with one
-// cp.async.bulk per tensor (K, V and their scales), completing on a "full"
-// mbarrier per stage; every thread arrives on the stage's "empty" mbarrier when
-// done with it, and warp 0 waits for that before refilling it. The other warps
-// never wait for each other. Tokens are stored unpadded there (the page's own
-// layout): some shared-memory bank conflicts, traded for a handful of copy
-// instructions a tile. The launcher chooses it (quantized caches only: a stale
-// row outside the keys is then always finite codes).
+// How tiles reach shared memory (KVC_BULK). 0: every thread copies pieces with
+// cp.async and the block syncs each tile. Where a page holds the block's KV
+// heads as one contiguous run of bytes (sm_90; the launcher's
+// _bulk_copies_fit), two mbarrier pipelines: a "full" barrier per stage that
+// completes when the stage's copies have landed, an "empty" one that every
+// thread arrives on when done with the stage, and no block-wide sync.
+//   1 (bulk): warp 0 alone copies each page's part of a tile with one
+//     cp.async.bulk per tensor (K, V and their scales), after waiting on the
+//     stage's empty barrier; tokens stay unpadded (the page's own layout: some
+//     bank conflicts). Stale rows outside the keys stay in shared memory:
+//     quantized caches only (their codes are always finite).
+//   2 (rows): every thread copies 16-byte pieces of a token's rows with
+//     cp.async into the padded rows of layout 0 and arrives on the full
+//     barrier through cp.async.mbarrier.arrive.noinc. The bulk engine moved
+//     3.0-3.1 TB/s at most in a build that only stages (int4, d = 128, 32 x
+//     32768, H200: 8 KiB copies), this one 3.7.
 #ifndef KVC_BULK
 #define KVC_BULK 0
 #endif
@@ -60,6 +66,11 @@
 // math, to time the copy pipeline alone. Outputs are meaningless.
 #ifndef KVC_STAGING_ONLY
 #define KVC_STAGING_ONLY 0
+#endif
+// Diagnostics: with row staging, stage the first STAGES - 1 tiles only and
+// compute every tile on them (the math alone; outputs meaningless).
+#ifndef KVC_COMPUTE_ONLY
+#define KVC_COMPUTE_ONLY 0
 #endif
 
 namespace kvc_attn {
@@ -108,8 +119,8 @@ struct Traits {
   static constexpr __host__ __device__ int padded(int bytes, int a) {
     return bytes + ((a - bytes % (2 * a)) + 2 * a) % (2 * a);
   }
-  static constexpr int kKeyStride = KVC_BULK ? kHeadsBytes : padded(kHeadsBytes, 16 * kKeyVector);
-  static constexpr int kValueStride = KVC_BULK ? kHeadsBytes : padded(kHeadsBytes, 16);
+  static constexpr int kKeyStride = KVC_BULK == 1 ? kHeadsBytes : padded(kHeadsBytes, 16 * kKeyVector);
+  static constexpr int kValueStride = KVC_BULK == 1 ? kHeadsBytes : padded(kHeadsBytes, 16);
   static constexpr int kKeyBytes = TILE * kKeyStride;
   static constexpr int kValueBytes = TILE * kValueStride;
   static constexpr int kScaleBytes = TILE * HEADS * 4;
@@ -117,9 +128,9 @@ struct Traits {
   // Bulk staging: STAGES "full" then STAGES "empty" mbarriers after the stages.
   static constexpr int kBarrierOffset = STAGES * kStageBytes;
   static constexpr int kSharedBytes = kBarrierOffset + (KVC_BULK ? 16 * STAGES : 0);
-  static_assert(KVC_BULK || (kKeyStride % (32 * kKeyVector) == 16 * kKeyVector && kValueStride % 32 == 16),
+  static_assert(KVC_BULK == 1 || (kKeyStride % (32 * kKeyVector) == 16 * kKeyVector && kValueStride % 32 == 16),
                 "strides");
-  static_assert(!KVC_BULK || (kHeadsBytes % 16 == 0 && HEADS % 4 == 0), "bulk copies: 16-byte rows");
+  static_assert(!KVC_BULK || (kHeadsBytes % 16 == 0 && HEADS % 4 == 0), "bulk or row copies: 16-byte rows");
 };
 
 struct Params {
@@ -265,6 +276,14 @@ __device__ __forceinline__ void fence_proxy_async() {
 __device__ __forceinline__ void bulk_copy(void* shared, const void* global, u32 bytes, void* barrier) {
   KVC_SM90(asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                         ::"r"(shared_address(shared)), "l"(global), "r"(bytes), "r"(shared_address(barrier))
+                        : "memory"));
+}
+
+// The barrier's arrival of this thread, fired once every cp.async it issued
+// before has landed; .noinc: that arrival is one of the count the barrier was
+// initialised with (row staging: one a thread and phase).
+__device__ __forceinline__ void cp_async_arrive_noinc(void* barrier) {
+  KVC_SM90(asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(barrier))
                         : "memory"));
 }
 
@@ -544,6 +563,61 @@ struct Attention {
       bulk_copy(destination, source, bytes, full);
     } else {
       mbarrier_arrive_expect(full, 0);
+    }
+  }
+
+  // Row staging (KVC_BULK == 2), by every thread: the tile's token rows (every
+  // KV head of the block side by side, one contiguous run in the page) into the
+  // padded rows of the per-thread layout, kLanesPerToken threads a token, each
+  // copying 16-byte pieces part, part + kLanesPerToken, ... of its K and V rows
+  // and then of the scale rows: one block id and one address a thread and
+  // tile, the pieces at constant offsets from it. A token outside [lo, hi) or
+  // on an id outside the cache is zero-filled. The caller then arrives on the
+  // stage's full barrier through cp_async_arrive_noinc.
+  static __device__ __forceinline__ void stage_rows(const Params& p, u8* smem, int stage, int head0, int base,
+                                                    int lo, int hi, int block_shift, const PageWindow& window) {
+    constexpr int kLanesPerToken = T::kThreads / TILE;
+    static_assert(T::kThreads % TILE == 0, "whole threads a token");
+    constexpr int kScaleBytes = HEADS * 4;
+    u8* const keys = smem + stage * T::kStageBytes;
+    const int token = threadIdx.x / kLanesPerToken, part = threadIdx.x % kLanesPerToken;
+    const int position = base + token;
+    const int block = block_of(window, position >> block_shift);
+    const bool valid = block >= 0 && position >= lo && position < hi;
+    const long long slot = position & (p.block_size - 1);
+    const int bytes = valid ? 16 : 0;
+    // An invalid token copies nothing (zero bytes) from a harmless address.
+    const u8* key_row = valid ? p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride +
+                                    head0 * p.k_head_stride
+                              : p.key_cache;
+    const u8* value_row = valid ? p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride +
+                                      head0 * p.v_head_stride
+                                : p.value_cache;
+    u8* const key_dst = keys + token * T::kKeyStride;
+    u8* const value_dst = keys + T::kKeyBytes + token * T::kValueStride;
+#pragma unroll
+    for (int k = 0; k < (T::kHeadsBytes / 16 + kLanesPerToken - 1) / kLanesPerToken; ++k) {
+      const int offset = 16 * (part + k * kLanesPerToken);
+      if ((T::kHeadsBytes / 16) % kLanesPerToken == 0 || offset < T::kHeadsBytes) {
+        cp_async(key_dst + offset, key_row + offset, bytes, 16);
+        cp_async(value_dst + offset, value_row + offset, bytes, 16);
+      }
+    }
+    if constexpr (kQuantized) {
+      static_assert(kScaleBytes % 16 == 0 && 2 * kScaleBytes / 16 <= kLanesPerToken, "one scale piece a thread");
+      // Threads part < kScaleBytes / 16 copy K scale pieces, the next ones V's.
+      const bool key = part < kScaleBytes / 16;
+      const int offset = 16 * (key ? part : part - kScaleBytes / 16);
+      if (part < 2 * kScaleBytes / 16) {
+        const u8* row = !valid ? p.k_scales
+                        : key  ? p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride +
+                                    head0 * p.ks_head_stride
+                               : p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride +
+                                    head0 * p.vs_head_stride;
+        u8* const destination = keys + T::kKeyBytes + T::kValueBytes + (key ? 0 : T::kScaleBytes) +
+                                token * kScaleBytes;
+        cp_async(destination + offset, row + offset, bytes, 16);
+      }
     }
   }
 
@@ -831,11 +905,32 @@ struct Attention {
     float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
     const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
-    u8* const barriers = smem + T::kBarrierOffset;   // bulk staging: full[STAGES], then empty[STAGES]
+    u8* const barriers = smem + T::kBarrierOffset;   // bulk and row staging: full[STAGES], then empty[STAGES]
+    // Row staging with three stages or more: each warp copies its share of tile
+    // t + STAGES - 1 after computing tile t rather than before, into the stage
+    // of tile t - 1, which by then the other warps have most likely left too (before
+    // t, every warp waited there for the slowest). Int4, d = 128 / 96, 32 x 32768,
+    // H200 (tools/decode_variants.py, two alternating runs): 3.07-3.15 / 2.63-2.74
+    // TB/s against 2.79-2.85 / 2.49-2.58 issued before.
+    constexpr bool kLateCopies = STAGES >= 3;
     // Warp 0 stages the tiles under bulk copies, every warp otherwise: those keep the window.
     PageWindow window{};
-    if (!KVC_BULK || warp == 0) window = first_window(p, table, key_lo, key_hi, block_shift);
-    if constexpr (KVC_BULK) {
+    if (KVC_BULK != 1 || warp == 0) window = first_window(p, table, key_lo, key_hi, block_shift);
+    if constexpr (KVC_BULK == 2) {
+      if (threadIdx.x < STAGES) {
+        mbarrier_init(barriers + 8 * threadIdx.x, T::kThreads);               // every thread's copies
+        mbarrier_init(barriers + 8 * (STAGES + threadIdx.x), T::kThreads);    // every reader
+      }
+      __syncthreads();
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < num_tiles) {
+          slide_window(window, p, table, (key_lo + s * TILE) >> block_shift, key_lo, key_hi, block_shift);
+          stage_rows(p, smem, s, head0, key_lo + s * TILE, key_lo, key_hi, block_shift, window);
+          cp_async_arrive_noinc(barriers + 8 * s);
+        }
+      }
+    } else if constexpr (KVC_BULK) {
       if (threadIdx.x < STAGES) {
         mbarrier_init(barriers + 8 * threadIdx.x, 32);                // warp 0's lanes
         mbarrier_init(barriers + 8 * (STAGES + threadIdx.x), T::kThreads);  // every reader
@@ -863,7 +958,16 @@ struct Attention {
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int next = tile + STAGES - 1;   // the tile whose copies go out now
       const int next_base = key_lo + next * TILE;
-      if constexpr (KVC_BULK) {
+      if constexpr (KVC_BULK == 2) {
+        if (!kLateCopies && !KVC_COMPUTE_ONLY && next < num_tiles) {
+          // Its stage last held tile - 1: every warp must be done with that.
+          if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
+          slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+          stage_rows(p, smem, next % STAGES, head0, next_base, key_lo, key_hi, block_shift, window);
+          cp_async_arrive_noinc(barriers + 8 * (next % STAGES));
+        }
+        if (!KVC_COMPUTE_ONLY || tile < STAGES - 1) mbarrier_wait(barriers + 8 * (tile % STAGES), (tile / STAGES) & 1);
+      } else if constexpr (KVC_BULK) {
         if (warp == 0 && next < num_tiles) {
           // Its stage last held tile - 1: wait until every warp is done with that.
           if (next >= STAGES) {
@@ -1102,6 +1206,14 @@ struct Attention {
         }
       }
       if constexpr (KVC_BULK) mbarrier_arrive(barriers + 8 * (STAGES + tile % STAGES));   // done with the stage
+      if constexpr (KVC_BULK == 2 && kLateCopies && !KVC_COMPUTE_ONLY) {
+        if (next < num_tiles) {
+          if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
+          slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+          stage_rows(p, smem, next % STAGES, head0, next_base, key_lo, key_hi, block_shift, window);
+          cp_async_arrive_noinc(barriers + 8 * (next % STAGES));
+        }
+      }
     }
     cp_async_wait<0>();
 

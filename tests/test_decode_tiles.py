@@ -10,7 +10,7 @@ ONE_BYTE = (KV_INT8, KV_FP8)
 
 
 def sixteen_token(kv: int, head_pad: int, heads: int = 8, quads: int = 1) -> Kernel:
-    return Kernel(kv, head_pad, heads, quads, 16, 16, True)
+    return Kernel(kv, head_pad, heads, quads, 16, 16, ca.STAGE_ROWS)
 
 
 @pytest.mark.parametrize("kv", ONE_BYTE)
@@ -38,7 +38,7 @@ def test_a_wider_tile_fits_and_keeps_enough_warps(kv, heads, head_pad):
     assert chosen.tile == 32 and head_pad <= ca.DECODE_ROUND_MAX_HEAD_PAD
     assert chosen.shared_bytes <= ca.SHARED_BYTES_PER_SM
     assert chosen.blocks_per_sm * chosen.heads >= ca.DECODE_ROUND_MIN_WARPS
-    other = Kernel(kv, head_pad, heads, 1, 32, 16, True, 5 - chosen.stages)   # the stage count not taken
+    other = Kernel(kv, head_pad, heads, 1, 32, 16, ca.STAGE_ROWS, 5 - chosen.stages)   # the stage count not taken
     assert other.blocks_per_sm * other.heads <= chosen.blocks_per_sm * chosen.heads
 
 
@@ -46,7 +46,19 @@ def test_a_wider_tile_fits_and_keeps_enough_warps(kv, heads, head_pad):
     sixteen_token(KV_INT8, 128, quads=2),       # GQA 8 / speculative decoding: two quads a warp
     sixteen_token(KV_FP8, 160),                 # above the measured head sizes
     sixteen_token(KV_BF16, 128),                # auto caches
-    Kernel(KV_INT4, 128, 8, 1, 32, 16, True),   # int4 has 32-token tiles already
+    Kernel(KV_INT4, 128, 8, 1, 32, 16, ca.STAGE_ROWS),   # int4 has 32-token tiles already
 ], ids=("two-quads", "d160", "auto", "int4"))
 def test_others_keep_their_kernel(kernel):
     assert ca._round_tile(kernel) == kernel
+
+
+@pytest.mark.parametrize("kv", ONE_BYTE)
+def test_row_copies_need_three_stages(kv):
+    """Row staging issues its copies a tile late (attention.cuh, kLateCopies): a
+    two-stage kernel takes bulk copies instead."""
+    chosen = ca._settle_staging(ca._round_tile(sixteen_token(kv, 96)))
+    assert (chosen.stages, chosen.bulk) == (2, ca.STAGE_BULK)
+    chosen = ca._settle_staging(ca._round_tile(sixteen_token(kv, 128)))
+    assert (chosen.stages, chosen.bulk) == (3, ca.STAGE_ROWS)
+    int4 = Kernel(KV_INT4, 128, 8, 1, 32, 16, ca.STAGE_ROWS)
+    assert ca._settle_staging(int4) == int4

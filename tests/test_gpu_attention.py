@@ -48,6 +48,7 @@ if not backends.status("cuda").usable:
 
 import cupy  # noqa: E402  (only where the backend is usable)
 
+from kvcupy.backends import cuda_attention  # noqa: E402
 from kvcupy.backends.cuda_attention import PrefillKernel  # noqa: E402
 
 ATTENTION_BOUND = 2e-3
@@ -211,7 +212,6 @@ def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, 
     prompt and a decode row in one batch, so partial row and key tiles, diagonal
     tiles and skipped ones all occur. Both builds of quantized caches where the
     GPU has wgmma (sm_90): the warpgroup one, and the mma.sync one that older GPUs take."""
-    from kvcupy.backends import cuda_attention
     monkeypatch.setattr(cuda_attention, "PREFILL_WGMMA", build == "wgmma")
     hopper = cupy.cuda.Device().compute_capability == "90"
     if build == "wgmma" and not (hopper and kv_dtype != "auto" and head_size <= 128):
@@ -322,14 +322,17 @@ def _attention_plan(query, cache, args):
     return plan
 
 
+@pytest.mark.parametrize("row_staging", [True, False], ids=["rows", "bulk"])
 @pytest.mark.parametrize("head_size,bulk", [(64, True), (96, True), (128, True), (256, None), (80, False)])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("num_kv_heads,block_size", [(8, 16), (4, 32), (8, 128), (4, 8)])
-def test_bulk_staging(kv_dtype, head_size, bulk, num_kv_heads, block_size):
-    """Quantized pages staged by sm_90's bulk copies (a block serving every KV
-    head, head sizes at a class boundary), with partial tiles, runs over 2-5
-    pages a tile, pages past a sequence's end and spec-decode rows; auto caches
-    and head size 80 (padded to 96) keep per-thread copies. bulk None: either."""
+def test_bulk_staging(kv_dtype, head_size, bulk, num_kv_heads, block_size, row_staging, monkeypatch):
+    """Quantized pages staged on sm_90 by row copies or bulk copies (a block
+    serving every KV head, head sizes at a class boundary), with partial tiles,
+    runs over 2-5 pages a tile, pages past a sequence's end and spec-decode
+    rows; auto caches and head size 80 (padded to 96) keep per-thread copies.
+    bulk None: either."""
+    monkeypatch.setattr(cuda_attention, "ROW_STAGING", row_staging)
     rng = np.random.default_rng(head_size + num_kv_heads)
     batch = paged_batch(rng, [1, 37, 700, 2048], [1, 1, 3, 1], block_size)
     cache = host_cache(rng, batch, kv_dtype, head_size, num_kv_heads, block_size, np.float16, "default")
@@ -340,7 +343,9 @@ def test_bulk_staging(kv_dtype, head_size, bulk, num_kv_heads, block_size):
     plan = _attention_plan(cupy.asarray(query), view, args)
     if bulk is not None:
         capable = int(cupy.cuda.Device().compute_capability) >= 90
-        assert plan.kernel.bulk == (bulk and capable and kv_dtype != "auto"), plan.kernel
+        rows = row_staging and plan.kernel.stages >= cuda_attention.ROW_STAGING_MIN_STAGES
+        staged = cuda_attention.STAGE_ROWS if rows else cuda_attention.STAGE_BULK
+        assert plan.kernel.bulk == (staged if bulk and capable and kv_dtype != "auto" else 0), plan.kernel
     out = from_device(kc.paged_attention(cupy.asarray(query), view, **args), np.float32)
     check(f"{kv_dtype} d={head_size} Hk={num_kv_heads} B={block_size}", out, expected, np.float32)
 
