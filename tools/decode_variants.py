@@ -6,10 +6,13 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
   "dtypes":  KV dtypes to time (default ["int4_per_token_head"])
   "src":     a folder of kernel sources to compile instead of kernels_cu/
              (KVCUPY_KERNEL_DIR), e.g. an older version's, for a side-by-side
-  "defines": extra -D defines (e.g. {"KVC_STAGING_ONLY": 1}: copies, no math)
+  "defines": extra -D defines (e.g. {"KVC_STAGING_ONLY": 1}: copies, no math;
+             {"KVC_COMPUTE_ONLY": 1}: math on the first tiles, no more copies)
   "tile", "stages", "splits", "bulk", "heads": planner choices forced to these values
-             ("stages" also sets the planner's default STAGES; "heads": KV heads, i.e.
-             warps, a block; bulk staging needs every KV head in one block)
+             ("stages" also sets the planner's default STAGES; "bulk": the staging,
+             cuda_attention.STAGE_THREADS / STAGE_BULK / STAGE_ROWS = 0 / 1 / 2;
+             "heads": KV heads, i.e. warps, a block; bulk copies need every KV head
+             in one block)
   "long_split_tokens": the planner's LONG_SPLIT_TOKENS (splits shorter than this
              take 16-token tiles, whatever "tile" says)
 SHAPE is a JSON object overriding the default decode shape: batch 32, context
