@@ -152,7 +152,7 @@ class Kernel:
         lane_words = self.row_bytes // 16
         key_vector = 4 if lane_words % 4 == 0 else 2 if lane_words % 2 == 0 else 1
         key_stride, value_stride = padded(heads_bytes, 16 * key_vector), padded(heads_bytes, 16)
-        if self.bulk == 1:   # pages copied as they are: unpadded rows
+        if self.bulk == STAGE_BULK:   # pages copied as they are: unpadded rows
             key_stride = value_stride = heads_bytes
         stage = self.tile * (key_stride + value_stride) + 2 * self.tile * self.heads * 4
         return self.stages * stage + (16 * self.stages if self.bulk else 0)   # + two mbarriers a stage
@@ -297,7 +297,8 @@ def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int) -> K
 def _settle_staging(kernel: Kernel) -> Kernel:
     """Row copies go out a tile late (attention.cuh, kLateCopies), which takes
     ROW_STAGING_MIN_STAGES stages; with fewer, bulk copies (int8 / fp8 at d = 96,
-    two stages: rows issued early measured 3.65 / 3.32 TB/s against 3.47 / 3.53)."""
+    two stages, H200, alternating runs: rows issued early measured 3.65-3.66 /
+    3.31-3.33 TB/s against 3.47-3.50 / 3.51-3.53)."""
     if kernel.bulk == STAGE_ROWS and kernel.stages < ROW_STAGING_MIN_STAGES:
         return replace(kernel, bulk=STAGE_BULK)
     return kernel
@@ -729,8 +730,8 @@ def specialisations(all: bool) -> list:
     else:
         kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, STAGE_ROWS), Kernel(KV_INT4, 96, 8, 4, 32, 4),
                    Kernel(KV_INT4, 64, 2, 2, 32, 1), Kernel(KV_INT8, 256, 8, 2, 16, 16),
-                   Kernel(KV_FP8, 128, 4, 4, 16, 16, STAGE_BULK), Kernel(KV_FP8, 128, 8, 1, 32, 16, STAGE_ROWS),
-                   Kernel(KV_INT8, 96, 8, 1, 32, 16, STAGE_ROWS, 2), Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_BULK),
+                   Kernel(KV_FP8, 128, 4, 4, 16, 16, STAGE_ROWS), Kernel(KV_FP8, 128, 8, 1, 32, 16, STAGE_ROWS),
+                   Kernel(KV_INT8, 96, 8, 1, 32, 16, STAGE_BULK, 2), Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS),
                    Kernel(KV_F16, 128, 4, 1, 16, 16),
                    Kernel(KV_BF16, 96, 4, 2, 16, 8), Kernel(KV_BF16, 64, 4, 1, 16, 16),
                    PrefillKernel.planned(KV_INT4, 128, 16, False), PrefillKernel.planned(KV_INT8, 96, 4, False),
