@@ -1,7 +1,7 @@
 // Entry points of the attention family: specialised by -D constants (see
 // kvcupy/backends/cuda_attention.py, which chooses them):
 //   paged_attention: KVC_ATTN_KV (attention.cuh's KV_* codes), KVC_HEAD_PAD, KVC_HEADS
-//     (warps = KV heads per block), KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK;
+//     (warps = KV heads per block), KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK, KVC_STAGING;
 //   prefill_attention: KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, KVC_CHUNK,
 //     KVC_WGMMA;
 //   merge_splits: KVC_OUT_T; scale_query: KVC_IN_T.

@@ -36,7 +36,7 @@
 
 #include "types.cuh"
 
-// How tiles reach shared memory (KVC_BULK). 0: every thread copies pieces with
+// How tiles reach shared memory (KVC_STAGING). 0: every thread copies pieces with
 // cp.async and the block syncs each tile. Where a page holds the block's KV
 // heads as one contiguous run of bytes (sm_90; the launcher's
 // _bulk_copies_fit), two mbarrier pipelines: a "full" barrier per stage that
@@ -52,9 +52,14 @@
 //     barrier through cp.async.mbarrier.arrive.noinc. In a build that only
 //     stages (int4, d = 128, 32 x 32768, H200) bulk copies of 8 KiB pages
 //     moved 3.0-3.1 TB/s (3.3 with 64-token tiles), these 3.7.
-#ifndef KVC_BULK
-#define KVC_BULK 0
+#ifndef KVC_STAGING
+#define KVC_STAGING 0
 #endif
+#define KVC_STAGE_THREADS 0
+#define KVC_STAGE_BULK 1
+#define KVC_STAGE_ROWS 2
+// Either mbarrier pipeline (bulk or row copies).
+#define KVC_MBARRIERS (KVC_STAGING != KVC_STAGE_THREADS)
 
 // 16-token steps a softmax round (Attention::run); 0: a tile's where a warp
 // holds one quad of rows, else one. Other values are for timing variants.
@@ -119,18 +124,18 @@ struct Traits {
   static constexpr __host__ __device__ int padded(int bytes, int a) {
     return bytes + ((a - bytes % (2 * a)) + 2 * a) % (2 * a);
   }
-  static constexpr int kKeyStride = KVC_BULK == 1 ? kHeadsBytes : padded(kHeadsBytes, 16 * kKeyVector);
-  static constexpr int kValueStride = KVC_BULK == 1 ? kHeadsBytes : padded(kHeadsBytes, 16);
+  static constexpr int kKeyStride = KVC_STAGING == KVC_STAGE_BULK ? kHeadsBytes : padded(kHeadsBytes, 16 * kKeyVector);
+  static constexpr int kValueStride = KVC_STAGING == KVC_STAGE_BULK ? kHeadsBytes : padded(kHeadsBytes, 16);
   static constexpr int kKeyBytes = TILE * kKeyStride;
   static constexpr int kValueBytes = TILE * kValueStride;
   static constexpr int kScaleBytes = TILE * HEADS * 4;
   static constexpr int kStageBytes = kKeyBytes + kValueBytes + 2 * kScaleBytes;
   // Bulk staging: STAGES "full" then STAGES "empty" mbarriers after the stages.
   static constexpr int kBarrierOffset = STAGES * kStageBytes;
-  static constexpr int kSharedBytes = kBarrierOffset + (KVC_BULK ? 16 * STAGES : 0);
-  static_assert(KVC_BULK == 1 || (kKeyStride % (32 * kKeyVector) == 16 * kKeyVector && kValueStride % 32 == 16),
+  static constexpr int kSharedBytes = kBarrierOffset + (KVC_MBARRIERS ? 16 * STAGES : 0);
+  static_assert(KVC_STAGING == KVC_STAGE_BULK || (kKeyStride % (32 * kKeyVector) == 16 * kKeyVector && kValueStride % 32 == 16),
                 "strides");
-  static_assert(!KVC_BULK || (kHeadsBytes % 16 == 0 && HEADS % 4 == 0), "bulk or row copies: 16-byte rows");
+  static_assert(!KVC_MBARRIERS || (kHeadsBytes % 16 == 0 && HEADS % 4 == 0), "bulk or row copies: 16-byte rows");
 };
 
 struct Params {
@@ -523,7 +528,7 @@ struct Attention {
     }
   }
 
-  // Bulk staging (KVC_BULK), by warp 0: lane 4 r + kind copies page run r of
+  // Bulk staging (KVC_STAGE_BULK), by warp 0: lane 4 r + kind copies page run r of
   // the tile (the tokens of base .. base + TILE - 1 on its r-th page) of tensor
   // `kind` (K, V, K scales, V scales). A run on no page of the sequence, or on
   // a block id outside the cache, is skipped: its scores are masked and its
@@ -566,7 +571,7 @@ struct Attention {
     }
   }
 
-  // Row staging (KVC_BULK == 2), by every thread: the tile's token rows (every
+  // Row staging (KVC_STAGE_ROWS), by every thread: the tile's token rows (every
   // KV head of the block side by side, one contiguous run in the page) into the
   // padded rows of the per-thread layout, kLanesPerToken threads a token, each
   // copying 16-byte pieces part, part + kLanesPerToken, ... of its K and V rows
@@ -915,8 +920,8 @@ struct Attention {
     constexpr bool kLateCopies = STAGES >= 3;
     // Warp 0 stages the tiles under bulk copies, every warp otherwise: those keep the window.
     PageWindow window{};
-    if (KVC_BULK != 1 || warp == 0) window = first_window(p, table, key_lo, key_hi, block_shift);
-    if constexpr (KVC_BULK == 2) {
+    if (KVC_STAGING != KVC_STAGE_BULK || warp == 0) window = first_window(p, table, key_lo, key_hi, block_shift);
+    if constexpr (KVC_STAGING == KVC_STAGE_ROWS) {
       if (threadIdx.x < STAGES) {
         mbarrier_init(barriers + 8 * threadIdx.x, T::kThreads);               // every thread's copies
         mbarrier_init(barriers + 8 * (STAGES + threadIdx.x), T::kThreads);    // every reader
@@ -930,7 +935,7 @@ struct Attention {
           cp_async_arrive_noinc(barriers + 8 * s);
         }
       }
-    } else if constexpr (KVC_BULK) {
+    } else if constexpr (KVC_STAGING == KVC_STAGE_BULK) {
       if (threadIdx.x < STAGES) {
         mbarrier_init(barriers + 8 * threadIdx.x, 32);                // warp 0's lanes
         mbarrier_init(barriers + 8 * (STAGES + threadIdx.x), T::kThreads);  // every reader
@@ -958,7 +963,7 @@ struct Attention {
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int next = tile + STAGES - 1;   // the tile whose copies go out now
       const int next_base = key_lo + next * TILE;
-      if constexpr (KVC_BULK == 2) {
+      if constexpr (KVC_STAGING == KVC_STAGE_ROWS) {
         if (!kLateCopies && !KVC_COMPUTE_ONLY && next < num_tiles) {
           // Its stage last held tile - 1: every warp must be done with that.
           if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
@@ -967,7 +972,7 @@ struct Attention {
           cp_async_arrive_noinc(barriers + 8 * (next % STAGES));
         }
         if (!KVC_COMPUTE_ONLY || tile < STAGES - 1) mbarrier_wait(barriers + 8 * (tile % STAGES), (tile / STAGES) & 1);
-      } else if constexpr (KVC_BULK) {
+      } else if constexpr (KVC_STAGING == KVC_STAGE_BULK) {
         if (warp == 0 && next < num_tiles) {
           // Its stage last held tile - 1: wait until every warp is done with that.
           if (next >= STAGES) {
@@ -1049,7 +1054,7 @@ struct Attention {
             value_scale[j][i] = kQuantized ? scale_of(value_bits[j][i]) * kCodeUnit : 1.f;
             // A row past the keys holds stale bytes under bulk staging: its scale
             // must not set R (its probability is 0 anyway).
-            if (KVC_BULK && base + column >= key_hi) value_scale[j][i] = 0.f;
+            if (KVC_MBARRIERS && base + column >= key_hi) value_scale[j][i] = 0.f;
             largest_value_scale = fmaxf(largest_value_scale, value_scale[j][i]);
           }
         }
@@ -1205,8 +1210,8 @@ struct Attention {
           }
         }
       }
-      if constexpr (KVC_BULK) mbarrier_arrive(barriers + 8 * (STAGES + tile % STAGES));   // done with the stage
-      if constexpr (KVC_BULK == 2 && kLateCopies && !KVC_COMPUTE_ONLY) {
+      if constexpr (KVC_MBARRIERS) mbarrier_arrive(barriers + 8 * (STAGES + tile % STAGES));   // done with the stage
+      if constexpr (KVC_STAGING == KVC_STAGE_ROWS && kLateCopies && !KVC_COMPUTE_ONLY) {
         if (next < num_tiles) {
           if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
           slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);

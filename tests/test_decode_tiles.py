@@ -57,8 +57,8 @@ def test_row_copies_need_three_stages(kv):
     """Row staging issues its copies a tile late (attention.cuh, kLateCopies): a
     two-stage kernel takes bulk copies instead."""
     chosen = ca._settle_staging(ca._round_tile(sixteen_token(kv, 96)))
-    assert (chosen.stages, chosen.bulk) == (2, ca.STAGE_BULK)
+    assert (chosen.stages, chosen.staging) == (2, ca.STAGE_BULK)
     chosen = ca._settle_staging(ca._round_tile(sixteen_token(kv, 128)))
-    assert (chosen.stages, chosen.bulk) == (3, ca.STAGE_ROWS)
+    assert (chosen.stages, chosen.staging) == (3, ca.STAGE_ROWS)
     int4 = Kernel(KV_INT4, 128, 8, 1, 32, 16, ca.STAGE_ROWS)
     assert ca._settle_staging(int4) == int4

@@ -323,15 +323,15 @@ def _attention_plan(query, cache, args):
 
 
 @pytest.mark.parametrize("row_staging", [True, False], ids=["rows", "bulk"])
-@pytest.mark.parametrize("head_size,bulk", [(64, True), (96, True), (128, True), (256, None), (80, False)])
+@pytest.mark.parametrize("head_size,fits", [(64, True), (96, True), (128, True), (256, None), (80, False)])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("num_kv_heads,block_size", [(8, 16), (4, 32), (8, 128), (4, 8)])
-def test_bulk_staging(kv_dtype, head_size, bulk, num_kv_heads, block_size, row_staging, monkeypatch):
+def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_staging, monkeypatch):
     """Quantized pages staged on sm_90 by row copies or bulk copies (a block
     serving every KV head, head sizes at a class boundary), with partial tiles,
     runs over 2-5 pages a tile, pages past a sequence's end and spec-decode
     rows; auto caches and head size 80 (padded to 96) keep per-thread copies.
-    bulk None: either."""
+    fits: whether the pages take an mbarrier staging (None: either)."""
     monkeypatch.setattr(cuda_attention, "ROW_STAGING", row_staging)
     rng = np.random.default_rng(head_size + num_kv_heads)
     batch = paged_batch(rng, [1, 37, 700, 2048], [1, 1, 3, 1], block_size)
@@ -341,11 +341,12 @@ def test_bulk_staging(kv_dtype, head_size, bulk, num_kv_heads, block_size, row_s
     expected = reference.paged_attention(query, cache, **args)
     view = device_view(cache)
     plan = _attention_plan(cupy.asarray(query), view, args)
-    if bulk is not None:
+    if fits is not None:
         capable = int(cupy.cuda.Device().compute_capability) >= 90
         rows = row_staging and plan.kernel.stages >= cuda_attention.ROW_STAGING_MIN_STAGES
         staged = cuda_attention.STAGE_ROWS if rows else cuda_attention.STAGE_BULK
-        assert plan.kernel.bulk == (staged if bulk and capable and kv_dtype != "auto" else 0), plan.kernel
+        expected_staging = staged if fits and capable and kv_dtype != "auto" else cuda_attention.STAGE_THREADS
+        assert plan.kernel.staging == expected_staging, plan.kernel
     out = from_device(kc.paged_attention(cupy.asarray(query), view, **args), np.float32)
     check(f"{kv_dtype} d={head_size} Hk={num_kv_heads} B={block_size}", out, expected, np.float32)
 

@@ -42,7 +42,7 @@ def launcher_kernel(defines: dict) -> Kernel | PrefillKernel:
         return PrefillKernel(defines["KVC_PREFILL_KV"], defines["KVC_HEAD_PAD"], defines["KVC_TILE"],
                              defines["KVC_CHUNK"], defines["KVC_WARPS"], bool(defines.get("KVC_WGMMA", 0)))
     return Kernel(defines["KVC_ATTN_KV"], defines["KVC_HEAD_PAD"], defines["KVC_HEADS"], defines["KVC_QUADS"],
-                  defines["KVC_TILE"], defines["KVC_CHUNK"], defines["KVC_BULK"], defines["KVC_STAGES"])
+                  defines["KVC_TILE"], defines["KVC_CHUNK"], defines["KVC_STAGING"], defines["KVC_STAGES"])
 
 
 def kernel_constant(text: str, kernel: Kernel | PrefillKernel) -> int:

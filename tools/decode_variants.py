@@ -8,8 +8,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
              (KVCUPY_KERNEL_DIR), e.g. an older version's, for a side-by-side
   "defines": extra -D defines (e.g. {"KVC_STAGING_ONLY": 1}: copies, no math;
              {"KVC_COMPUTE_ONLY": 1}: math on the first tiles, no more copies)
-  "tile", "stages", "splits", "bulk", "heads": planner choices forced to these values
-             ("stages" also sets the planner's default STAGES; "bulk": the staging,
+  "tile", "stages", "splits", "staging", "heads": planner choices forced to these values
+             ("stages" also sets the planner's default STAGES; "staging":
              cuda_attention.STAGE_THREADS / STAGE_BULK / STAGE_ROWS = 0 / 1 / 2;
              "heads": KV heads, i.e. warps, a block; bulk copies need every KV head
              in one block)
@@ -59,7 +59,7 @@ def overrides(variant: dict):
 
     def choose(cache, kv, rows, capability):
         kernel = plain_choose(cache, kv, rows, capability)
-        forced = {key: variant[key] for key in ("tile", "bulk", "stages", "heads") if key in variant}
+        forced = {key: variant[key] for key in ("tile", "staging", "stages", "heads") if key in variant}
         return replace(kernel, **forced)
 
     def splits(base_blocks, slots, most):

@@ -42,7 +42,7 @@ HEAD_CLASS = 32          # head sizes are padded up to a multiple of this (maske
 STAGES = 3               # cp.async pipeline depth
 STAGE_BYTES_TARGET = 40 * 1024   # keep a stage (K + V + scales) near this: 2 blocks a multiprocessor
 SHARED_BYTES_PER_SM = 227 * 1024
-# How a decode block stages its tiles (Kernel.bulk, attention.cuh's KVC_BULK):
+# How a decode block stages its tiles (Kernel.staging, attention.cuh's KVC_STAGING):
 # every thread copies pieces and the block syncs; warp 0 copies each page's
 # run with one bulk copy; or every thread copies whole token rows, completing
 # on the stage's mbarrier (no block-wide sync). The last two need sm_90 and
@@ -107,7 +107,7 @@ class Kernel:
     quads: int          # query rows a warp, 4 each: 1, 2 or 4
     tile: int           # tokens per pipeline stage
     chunk: int          # bytes per cp.async (1: plain byte loads)
-    bulk: int = 0       # staging (attention.cuh's KVC_BULK): STAGE_THREADS, STAGE_BULK or STAGE_ROWS
+    staging: int = 0    # attention.cuh's KVC_STAGING: STAGE_THREADS, STAGE_BULK or STAGE_ROWS
     stages: int = STAGES  # pipeline depth in tiles
 
     entry = "paged_attention"
@@ -136,7 +136,7 @@ class Kernel:
         return {"KVC_ATTN_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_HEADS": self.heads,
                 "KVC_QUADS": self.quads, "KVC_TILE": self.tile, "KVC_STAGES": self.stages,
                 "KVC_CHUNK": self.chunk, "KVC_MIN_BLOCKS": self.blocks_per_sm,
-                "KVC_BULK": int(self.bulk)}
+                "KVC_STAGING": self.staging}
 
     @property
     def row_bytes(self) -> int:
@@ -152,10 +152,10 @@ class Kernel:
         lane_words = self.row_bytes // 16
         key_vector = 4 if lane_words % 4 == 0 else 2 if lane_words % 2 == 0 else 1
         key_stride, value_stride = padded(heads_bytes, 16 * key_vector), padded(heads_bytes, 16)
-        if self.bulk == STAGE_BULK:   # pages copied as they are: unpadded rows
+        if self.staging == STAGE_BULK:   # pages copied as they are: unpadded rows
             key_stride = value_stride = heads_bytes
         stage = self.tile * (key_stride + value_stride) + 2 * self.tile * self.heads * 4
-        return self.stages * stage + (16 * self.stages if self.bulk else 0)   # + two mbarriers a stage
+        return self.stages * stage + (16 * self.stages if self.staging != STAGE_THREADS else 0)   # + two mbarriers a stage
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,7 @@ def _copy_granule(cache, row_bytes: int) -> int:
 
 def _bulk_copies_fit(cache, kv: int, heads: int, stored_row: int, head_pad: int, capability: int) -> bool:
     """Whether warp 0 can stage a tile with one bulk copy per page and tensor
-    (attention.cuh, KVC_BULK): sm_90 or newer, a quantized cache (stale rows hold
+    (attention.cuh, KVC_STAGE_BULK; row copies need the same): sm_90 or newer, a quantized cache (stale rows hold
     finite codes), the unpadded head size, a block serving every KV head, each
     page's rows dense (token after token, heads side by side) and 16-byte sized
     and aligned, and pages of at least 8 tokens (a tile's runs fit warp 0's lanes)."""
@@ -299,8 +299,8 @@ def _settle_staging(kernel: Kernel) -> Kernel:
     ROW_STAGING_MIN_STAGES stages; with fewer, bulk copies (int8 / fp8 at d = 96,
     two stages, H200, alternating runs: rows issued early measured 3.65-3.66 /
     3.31-3.33 TB/s against 3.47-3.50 / 3.51-3.53)."""
-    if kernel.bulk == STAGE_ROWS and kernel.stages < ROW_STAGING_MIN_STAGES:
-        return replace(kernel, bulk=STAGE_BULK)
+    if kernel.staging == STAGE_ROWS and kernel.stages < ROW_STAGING_MIN_STAGES:
+        return replace(kernel, staging=STAGE_BULK)
     return kernel
 
 
@@ -721,8 +721,8 @@ def specialisations(all: bool) -> list:
                         # Every staging of quantized caches: bulk or row copies on sm_90 where the pages allow them.
                         stagings = ((STAGE_THREADS, STAGE_BULK, STAGE_ROWS) if kv in (KV_INT4, KV_INT8, KV_FP8)
                                     else (STAGE_THREADS,))
-                        kernels += [_settle_staging(_round_tile(Kernel(kv, head_pad, heads, quads, tile, 16, bulk)))
-                                    for bulk in stagings]
+                        kernels += [_settle_staging(_round_tile(Kernel(kv, head_pad, heads, quads, tile, 16, staging)))
+                                    for staging in stagings]
                 if head_pad <= PREFILL_MAX_HEAD_PAD:
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, False))
                     if kv in (KV_INT4, KV_INT8, KV_FP8):
