@@ -124,8 +124,9 @@ struct Traits {
   static constexpr __host__ __device__ int padded(int bytes, int a) {
     return bytes + ((a - bytes % (2 * a)) + 2 * a) % (2 * a);
   }
-  static constexpr int kKeyStride = KVC_STAGING == KVC_STAGE_BULK ? kHeadsBytes : padded(kHeadsBytes, 16 * kKeyVector);
-  static constexpr int kValueStride = KVC_STAGING == KVC_STAGE_BULK ? kHeadsBytes : padded(kHeadsBytes, 16);
+  static constexpr bool kUnpadded = KVC_STAGING == KVC_STAGE_BULK;   // pages copied as they are
+  static constexpr int kKeyStride = kUnpadded ? kHeadsBytes : padded(kHeadsBytes, 16 * kKeyVector);
+  static constexpr int kValueStride = kUnpadded ? kHeadsBytes : padded(kHeadsBytes, 16);
   static constexpr int kKeyBytes = TILE * kKeyStride;
   static constexpr int kValueBytes = TILE * kValueStride;
   static constexpr int kScaleBytes = TILE * HEADS * 4;
@@ -133,7 +134,7 @@ struct Traits {
   // Bulk staging: STAGES "full" then STAGES "empty" mbarriers after the stages.
   static constexpr int kBarrierOffset = STAGES * kStageBytes;
   static constexpr int kSharedBytes = kBarrierOffset + (KVC_MBARRIERS ? 16 * STAGES : 0);
-  static_assert(KVC_STAGING == KVC_STAGE_BULK || (kKeyStride % (32 * kKeyVector) == 16 * kKeyVector && kValueStride % 32 == 16),
+  static_assert(kUnpadded || (kKeyStride % (32 * kKeyVector) == 16 * kKeyVector && kValueStride % 32 == 16),
                 "strides");
   static_assert(!KVC_MBARRIERS || (kHeadsBytes % 16 == 0 && HEADS % 4 == 0), "bulk or row copies: 16-byte rows");
 };
@@ -915,8 +916,8 @@ struct Attention {
     // t + STAGES - 1 after computing tile t rather than before, into the stage
     // of tile t - 1, which by then the other warps have most likely left too (before
     // t, every warp waited there for the slowest). Int4, d = 128 / 96, 32 x 32768,
-    // H200 (tools/decode_variants.py, two alternating runs): 3.07-3.15 / 2.63-2.74
-    // TB/s against 2.79-2.85 / 2.49-2.58 issued before.
+    // H200 (tools/decode_variants.py, alternating runs): 3.07-3.15 / 2.63-2.74
+    // TB/s against 2.73-2.85 / 2.42-2.58 issued before.
     constexpr bool kLateCopies = STAGES >= 3;
     // Warp 0 stages the tiles under bulk copies, every warp otherwise: those keep the window.
     PageWindow window{};
@@ -961,7 +962,7 @@ struct Attention {
       }
     }
     for (int tile = 0; tile < num_tiles; ++tile) {
-      const int next = tile + STAGES - 1;   // the tile whose copies go out now
+      const int next = tile + STAGES - 1;   // the tile whose copies go out with this one
       const int next_base = key_lo + next * TILE;
       if constexpr (KVC_STAGING == KVC_STAGE_ROWS) {
         if (!kLateCopies && !KVC_COMPUTE_ONLY && next < num_tiles) {

@@ -155,7 +155,8 @@ class Kernel:
         if self.staging == STAGE_BULK:   # pages copied as they are: unpadded rows
             key_stride = value_stride = heads_bytes
         stage = self.tile * (key_stride + value_stride) + 2 * self.tile * self.heads * 4
-        return self.stages * stage + (16 * self.stages if self.staging != STAGE_THREADS else 0)   # + two mbarriers a stage
+        mbarriers = 16 * self.stages if self.staging != STAGE_THREADS else 0   # two a stage
+        return self.stages * stage + mbarriers
 
 
 @dataclass(frozen=True)
