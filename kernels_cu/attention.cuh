@@ -912,13 +912,14 @@ struct Attention {
 
     const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
     u8* const barriers = smem + T::kBarrierOffset;   // bulk and row staging: full[STAGES], then empty[STAGES]
-    // Row staging with three stages or more: each warp copies its share of tile
-    // t + STAGES - 1 after computing tile t rather than before, into the stage
-    // of tile t - 1, which by then the other warps have most likely left too (before
-    // t, every warp waited there for the slowest). Int4, d = 128 / 96, 32 x 32768,
-    // H200 (tools/decode_variants.py, alternating runs): 3.07-3.15 / 2.63-2.74
-    // TB/s against 2.73-2.85 / 2.42-2.58 issued before.
-    constexpr bool kLateCopies = STAGES >= 3;
+    // Row staging: each warp copies its share of tile t + STAGES - 1 after
+    // computing tile t rather than before, into the stage of tile t - 1, which by
+    // then the other warps have most likely left too (before t, every warp waited
+    // there for the slowest). Int4, d = 128 / 96, 32 x 32768, H200
+    // (tools/decode_variants.py, alternating runs): 3.07-3.15 / 2.63-2.74 TB/s
+    // against 2.73-2.85 / 2.42-2.58 issued before. With two stages that would
+    // leave no copy in flight: the launcher takes bulk copies there.
+    static_assert(KVC_STAGING != KVC_STAGE_ROWS || STAGES >= 3, "row staging: three stages or more");
     // Warp 0 stages the tiles under bulk copies, every warp otherwise: those keep the window.
     PageWindow window{};
     if (KVC_STAGING != KVC_STAGE_BULK || warp == 0) window = first_window(p, table, key_lo, key_hi, block_shift);
@@ -965,13 +966,6 @@ struct Attention {
       const int next = tile + STAGES - 1;   // the tile whose copies go out with this one
       const int next_base = key_lo + next * TILE;
       if constexpr (KVC_STAGING == KVC_STAGE_ROWS) {
-        if (!kLateCopies && !KVC_COMPUTE_ONLY && next < num_tiles) {
-          // Its stage last held tile - 1: every warp must be done with that.
-          if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
-          slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
-          stage_rows(p, smem, next % STAGES, head0, next_base, key_lo, key_hi, block_shift, window);
-          cp_async_arrive_noinc(barriers + 8 * (next % STAGES));
-        }
         if (!KVC_COMPUTE_ONLY || tile < STAGES - 1) mbarrier_wait(barriers + 8 * (tile % STAGES), (tile / STAGES) & 1);
       } else if constexpr (KVC_STAGING == KVC_STAGE_BULK) {
         if (warp == 0 && next < num_tiles) {
@@ -1212,8 +1206,9 @@ struct Attention {
         }
       }
       if constexpr (KVC_MBARRIERS) mbarrier_arrive(barriers + 8 * (STAGES + tile % STAGES));   // done with the stage
-      if constexpr (KVC_STAGING == KVC_STAGE_ROWS && kLateCopies && !KVC_COMPUTE_ONLY) {
+      if constexpr (KVC_STAGING == KVC_STAGE_ROWS && !KVC_COMPUTE_ONLY) {
         if (next < num_tiles) {
+          // Its stage last held tile - 1: every warp must be done with that.
           if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
           slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
           stage_rows(p, smem, next % STAGES, head0, next_base, key_lo, key_hi, block_shift, window);

@@ -54,8 +54,8 @@ def test_others_keep_their_kernel(kernel):
 
 @pytest.mark.parametrize("kv", ONE_BYTE)
 def test_row_copies_need_three_stages(kv):
-    """Row staging issues its copies a tile late (attention.cuh, kLateCopies): a
-    two-stage kernel takes bulk copies instead."""
+    """Row staging issues its copies a tile late (attention.cuh asserts three
+    stages for it): a two-stage kernel takes bulk copies instead."""
     chosen = ca._settle_staging(ca._round_tile(sixteen_token(kv, 96)))
     assert (chosen.stages, chosen.staging) == (2, ca.STAGE_BULK)
     chosen = ca._settle_staging(ca._round_tile(sixteen_token(kv, 128)))
