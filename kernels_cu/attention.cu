@@ -4,7 +4,7 @@
 //     (warps = KV heads per block), KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK, KVC_STAGING;
 //   prefill_attention: KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, KVC_CHUNK,
 //     KVC_WGMMA;
-//   merge_splits: KVC_OUT_T; scale_query: KVC_IN_T.
+//   merge_splits: KVC_OUT_T.
 #include "attention.cuh"
 #include "prefill.cuh"
 
@@ -20,7 +20,7 @@ using namespace kvc_attn;
       long long q_token_stride, long long q_head_stride, int query_dtype, const uint2 *rotation_fwd,        \
       const uint2 *rotation_inv, int rotation_shift, int rotation_stages, float query_factor,              \
       float out_factor, void *out, long long out_token_stride, long long out_head_stride, int out_dtype,    \
-      const float *sinks, int direct
+      const float *sinks, int direct, const unsigned *signs, int sign_shift
 
 namespace {
 
@@ -83,6 +83,8 @@ __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
   p.out_dtype = out_dtype;
   p.sinks = sinks;
   p.direct = direct;
+  p.signs = signs;
+  p.sign_shift = sign_shift;
   return p;
 }
 
@@ -92,7 +94,7 @@ __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
               block_shift, num_blocks, table_width, split_tokens, window, softcap, code_unit, query_in,        \
               q_token_stride, q_head_stride, query_dtype, rotation_fwd, rotation_inv, rotation_shift,          \
               rotation_stages, query_factor, out_factor, out, out_token_stride, out_head_stride, out_dtype,    \
-              sinks, direct)
+              sinks, direct, signs, sign_shift)
 
 }  // namespace
 
@@ -122,18 +124,9 @@ extern "C" __global__ void __launch_bounds__(32 * KVC_WARPS, KVC_MIN_BLOCKS) pre
 #ifdef KVC_OUT_T
 extern "C" __global__ void merge_splits(const float* part_out, const float* part_stats, const float* sinks,
                                         KVC_OUT_T* out, int num_splits, int num_tokens, int num_heads,
-                                        int head_size) {
+                                        int head_size, int split_warps, const unsigned* signs, int sign_shift,
+                                        float out_factor) {
   kvc_attn::merge_splits<KVC_OUT_T>(part_out, part_stats, sinks, out, num_splits, num_tokens, num_heads,
-                                    head_size);
-}
-#endif
-
-#ifdef KVC_IN_T
-// query [n] in the model dtype -> float32 times scale (the softmax scale, when
-// no rotation folds it in).
-extern "C" __global__ void scale_query(const KVC_IN_T* query, float* out, long long n, float scale) {
-  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<long long>(gridDim.x) * blockDim.x)
-    out[i] = kvc::to_float(query[i]) * scale;
+                                    head_size, split_warps, signs, sign_shift, out_factor);
 }
 #endif

@@ -186,6 +186,11 @@ struct Params {
   int out_dtype;
   const float* sinks;        // [Hq] or null
   int direct;                // one split: normalise, rotate back and write `out` here
+  // The decode kernel reads the caller's query (query_in) itself where `query`
+  // is null: times query_factor, rotated where sign_shift >= 0 (blockdiag:
+  // the signs, then H_b on every block of b = 2^sign_shift channels).
+  const u32* signs;          // sign bits (bit i set: s[i] = -1), or null
+  int sign_shift;            // log2 b; -1: no rotation
 };
 
 // Dtype codes of query_in and out (cuda_attention.DTYPE_CODES).
@@ -640,13 +645,15 @@ struct Attention {
   // and output rows g + 8 of the values (the sums there are divided by 16).
   static constexpr float kHighNibble = KV == KV_INT4 ? 16.f : 1.f;
 
-  // OFFSET + zero-point (x16 for high nibbles) of two tokens as an fp16 pair.
-  static __device__ __forceinline__ u32 offset_pair(u32 bits_a, u32 bits_b, bool high) {
+  // OFFSET + zero-point of two tokens as fp16 pairs, for low nibbles and (x16) high ones.
+  static __device__ __forceinline__ void offset_pairs(u32 bits_a, u32 bits_b, u32& low, u32& high) {
     if constexpr (KV == KV_INT4) {
-      const int shift = high ? 4 : 0;
-      return (0x6400u | ((bits_a & 0xFu) << shift)) | ((0x6400u | ((bits_b & 0xFu) << shift)) << 16);
+      const u32 both = prmt(bits_a, bits_b, 0x5410u);   // each token's low half: zero-point in bits 0..3
+      low = lop_and_or(both, 0x000F000Fu, 0x64006400u);
+      high = lop_and_or(both << 4, 0x00F000F0u, 0x64006400u);
+    } else {
+      low = high = kOffsetHalf | (kOffsetHalf << 16);
     }
-    return kOffsetHalf | (kOffsetHalf << 16);
   }
 
   // Channel permutations: key_dim_of / value_dim_of map a logical dim of the
@@ -767,6 +774,82 @@ struct Attention {
     return y;
   }
 
+  // Decode reading the caller's query (p.query null): the 4 rows of one quad,
+  // row_begin .. row_begin + 3 of the tile (rows past total_rows zero), into
+  // rows[r][channel] in float32: times query_factor and, where sign_shift >= 0,
+  // rotated (s * x, then H_b on every block of b = 2^sign_shift channels, as
+  // the rotate kernel would, in float32: a few ulp against its float64). Lane
+  // l holds channels l + 32 k: butterflies between channels h < 32 apart are
+  // shuffles, wider ones stay in the lane. This replaces a rotate launch, and
+  // its float32 round trip through global memory, per decode step.
+  static constexpr int kQuerySlots = HEAD_PAD / 32;
+  static __device__ __forceinline__ void rotate_query_quad(const Params& p, int q_begin, int row_begin,
+                                                           int total_rows, int kv_head, float* rows) {
+    const int lane = threadIdx.x & 31;
+    float v[4][kQuerySlots];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = row_begin + r;
+      const bool valid = row < total_rows;
+      const long long start = valid ? (q_begin + row / p.group) * p.q_token_stride +
+                                          static_cast<long long>(kv_head * p.group + row % p.group) * p.q_head_stride
+                                    : 0;
+#pragma unroll
+      for (int k = 0; k < kQuerySlots; ++k) {
+        const int channel = lane + 32 * k;
+        float x = 0.f;
+        if (valid && channel < p.head_size) {
+          if (p.query_dtype == kDtypeF32) {
+            x = static_cast<const float*>(p.query_in)[start + channel];
+          } else {
+            const u16 bits = static_cast<const u16*>(p.query_in)[start + channel];
+            x = p.query_dtype == kDtypeF16 ? kvc::to_float(kvc::half{bits}) : kvc::to_float(kvc::bfloat16{bits});
+          }
+        }
+        v[r][k] = x;
+      }
+    }
+    if (p.sign_shift >= 0) {
+#pragma unroll
+      for (int k = 0; k < kQuerySlots; ++k) {
+        const u32 negative = (__ldg(p.signs + k) >> lane) & 1u;   // channel lane + 32 k
+#pragma unroll
+        for (int r = 0; r < 4; ++r) v[r][k] = negative ? -v[r][k] : v[r][k];
+      }
+#pragma unroll
+      for (int stage = 0; stage < 8; ++stage) {
+        if (stage >= p.sign_shift) break;   // uniform: the host's b
+        const int h = 1 << stage;
+        if (h < 32) {
+          const bool upper = lane & h;
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int k = 0; k < kQuerySlots; ++k) {
+              const float other = __shfl_xor_sync(0xffffffffu, v[r][k], h);
+              v[r][k] = upper ? other - v[r][k] : v[r][k] + other;
+            }
+        } else {
+          const int j = h >> 5;
+#pragma unroll
+          for (int k = 0; k < kQuerySlots; ++k) {
+            if ((k & j) || k + j >= kQuerySlots) continue;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const float a = v[r][k], b = v[r][k + j];
+              v[r][k] = a + b;
+              v[r][k + j] = a - b;
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int k = 0; k < kQuerySlots; ++k) rows[r * HEAD_PAD + lane + 32 * k] = v[r][k] * p.query_factor;
+  }
+
   static __device__ void run(const Params& p, int block_shift) {
     extern __shared__ __align__(16) u8 smem[];
     // Score product S^T[token, column] = K[token, :] . Q^T[:, column] per quad of
@@ -807,108 +890,6 @@ struct Attention {
     const int key_lo = max(p.window ? first_position - p.window + 1 : 0, split * p.split_tokens);
     const int key_hi = min(last_position + 1, (split + 1) * p.split_tokens);
     const int* table = p.block_table + static_cast<long long>(seq) * p.table_width;
-
-    // Query fragments: lane (g, t) holds column g of each quad, i.e. the high
-    // (g even) or low (g odd) fp16 part of row g / 2. Per row: row_unscale,
-    // offset_weight and zero_point_weight (what the products' code offsets add
-    // to a score, per unit of OFFSET and of zero-point: sums of the row as the
-    // products see it, hi + lo, high int4 nibbles' dims counted 16 times for
-    // the codes), moved to the lanes t that own the row's softmax.
-    u32 qb[QUADS][KC][2];
-    float row_unscale[QUADS], offset_weight[QUADS], zero_point_weight[QUADS];
-    int row_position[QUADS];
-    bool row_valid[QUADS];
-#pragma unroll
-    for (int quad = 0; quad < QUADS; ++quad) {
-      const int row = row_begin + quad * 4 + (g >> 1);
-      const bool valid = row < total_rows;
-      const int token = row / p.group;
-      const float* q = p.query + (static_cast<long long>(q_begin + token) * p.num_heads +
-                                  kv_head * p.group + row % p.group) * p.head_size;
-      float values[KC][4];
-      float largest = 0.f;
-#pragma unroll
-      for (int kc = 0; kc < KC; ++kc) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int logical = 16 * kc + 2 * t + (i & 1) + 8 * (i >> 1);
-          const int channel = key_dim_of(logical);
-          values[kc][i] = valid && channel < p.head_size ? q[channel] : 0.f;
-          largest = fmaxf(largest, fabsf(values[kc][i]));
-        }
-      }
-      largest = max_over_quad(largest);
-      // A power of two keeps the largest |q| near 2^14: inside fp16's range, and exact.
-      int exponent = 0;
-      frexpf(largest, &exponent);
-      const float up = largest > 0.f && isfinite(largest) ? ldexpf(1.f, 14 - exponent) : 1.f;
-      float sum = 0.f, code_sum = 0.f;
-#pragma unroll
-      for (int kc = 0; kc < KC; ++kc) {
-        float part[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float high = i >= 2 ? kHighNibble : 1.f;   // dims 16 kc + 8.. (exact: a power of two)
-          const float v = values[kc][i] * up / high;
-          const float hi = unpack(pack(v, 0.f)).x;
-          const float lo = unpack(pack(v - hi, 0.f)).x;
-          sum += hi + lo;
-          code_sum += (hi + lo) * high;
-          part[i] = (g & 1) ? lo : hi;
-        }
-        qb[quad][kc][0] = pack(part[0], part[1]);
-        qb[quad][kc][1] = pack(part[2], part[3]);
-      }
-      // Row t of the quad lives in lanes g = 2t, 2t + 1: lane 8t has it whole.
-      const float unscale = 1.f / up, weight = kOffsetValue * sum_over_quad(sum), zp_weight = sum_over_quad(code_sum);
-      row_unscale[quad] = __shfl_sync(0xffffffffu, unscale, 8 * t);
-      offset_weight[quad] = __shfl_sync(0xffffffffu, weight, 8 * t);
-      zero_point_weight[quad] = __shfl_sync(0xffffffffu, zp_weight, 8 * t);
-      const int own_row = row_begin + quad * 4 + t;
-      row_valid[quad] = own_row < total_rows;
-      row_position[quad] = context + own_row / p.group;
-    }
-
-    // Extremes over the tile's valid rows (the same in every lane): masks can be
-    // skipped for a step that every row sees whole. Rows past the end are left
-    // unmasked then: they only ever feed outputs that are never written.
-    int min_row_position = 0x7fffffff, max_row_position = -1;
-#pragma unroll
-    for (int quad = 0; quad < QUADS; ++quad) {
-      if (row_valid[quad]) {
-        min_row_position = min(min_row_position, row_position[quad]);
-        max_row_position = max(max_row_position, row_position[quad]);
-      }
-    }
-    for (int offset = 16; offset >= 1; offset /= 2) {
-      min_row_position = min(min_row_position, __shfl_xor_sync(0xffffffffu, min_row_position, offset));
-      max_row_position = max(max_row_position, __shfl_xor_sync(0xffffffffu, max_row_position, offset));
-    }
-
-    float out[MD][NP][4];
-    // What the codes' offsets add to every output channel, from one more output
-    // product whose A has two rows, OFFSET + zp_j for low-nibble dims (row 0)
-    // and OFFSET + 16 zp_j for high ones (row 8): lanes g = 0 hold them, in
-    // out's column layout. The same tensor-core sums as the outputs' (rather
-    // than fp32 sums of the zero-points on the side), so that the large parts
-    // cancel closely: the per-channel error at 32768 tokens showed the difference.
-    float offset_sum[NP][4];
-#pragma unroll
-    for (int np = 0; np < NP; ++np) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) offset_sum[np][i] = 0.f;
-#pragma unroll
-      for (int md = 0; md < MD; ++md)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) out[md][np][i] = 0.f;
-    }
-    float running_max[QUADS], running_sum[QUADS];
-#pragma unroll
-    for (int quad = 0; quad < QUADS; ++quad) {
-      running_max[quad] = -KVC_INFINITY;
-      running_sum[quad] = 0.f;
-    }
-    float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
     const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
     u8* const barriers = smem + T::kBarrierOffset;   // bulk and row staging: full[STAGES], then empty[STAGES]
@@ -962,6 +943,124 @@ struct Attention {
         cp_async_commit();
       }
     }
+
+    // Query fragments: lane (g, t) holds column g of each quad, i.e. the high
+    // (g even) or low (g odd) fp16 part of row g / 2. Per row: row_unscale,
+    // offset_weight and zero_point_weight (what the products' code offsets add
+    // to a score, per unit of OFFSET and of zero-point: sums of the row as the
+    // products see it, hi + lo, high int4 nibbles' dims counted 16 times for
+    // the codes), moved to the lanes t that own the row's softmax.
+    u32 qb[QUADS][KC][2];
+    float row_unscale[QUADS], offset_weight[QUADS], zero_point_weight[QUADS];
+    int row_position[QUADS];
+    bool row_valid[QUADS];
+    // The caller's query, read here (p.query null) while the first tiles' copies
+    // are in flight: each warp works its rows out a quad at a time in its part
+    // of the last stage, which no copy fills before the loop.
+    const bool own_query = p.query == nullptr;
+    float* const query_rows = reinterpret_cast<float*>(smem + (STAGES - 1) * T::kStageBytes) + warp * 4 * HEAD_PAD;
+    static_assert(HEADS * 4 * HEAD_PAD * 4 <= T::kStageBytes, "a quad's rows fit in a stage");
+#pragma unroll
+    for (int quad = 0; quad < QUADS; ++quad) {
+      const int row = row_begin + quad * 4 + (g >> 1);
+      const bool valid = row < total_rows;
+      const int token = row / p.group;
+      const float* q = own_query ? query_rows + (g >> 1) * HEAD_PAD
+                                 : p.query + (static_cast<long long>(q_begin + token) * p.num_heads +
+                                              kv_head * p.group + row % p.group) * p.head_size;
+      if (own_query) {
+        if (quad > 0) __syncwarp();   // every lane is done with the previous quad's rows
+        rotate_query_quad(p, q_begin, row_begin + quad * 4, total_rows, kv_head, query_rows);
+        __syncwarp();
+      }
+      float values[KC][4];
+      float largest = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < KC; ++kc) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int logical = 16 * kc + 2 * t + (i & 1) + 8 * (i >> 1);
+          const int channel = key_dim_of(logical);
+          values[kc][i] = valid && channel < p.head_size ? q[channel] : 0.f;
+          largest = fmaxf(largest, fabsf(values[kc][i]));
+        }
+      }
+      largest = max_over_quad(largest);
+      // A power of two keeps the largest |q| near 2^14: inside fp16's range, and exact.
+      int exponent = 0;
+      frexpf(largest, &exponent);
+      const float up = largest > 0.f && isfinite(largest) ? ldexpf(1.f, 14 - exponent) : 1.f;
+      float sum = 0.f, code_sum = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < KC; ++kc) {
+        float part[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float high = i >= 2 ? kHighNibble : 1.f;   // dims 16 kc + 8.. (exact: a power of two)
+          const float v = values[kc][i] * up / high;
+          const float hi = unpack(pack(v, 0.f)).x;
+          const float lo = unpack(pack(v - hi, 0.f)).x;
+          sum += hi + lo;
+          code_sum += (hi + lo) * high;
+          part[i] = (g & 1) ? lo : hi;
+        }
+        qb[quad][kc][0] = pack(part[0], part[1]);
+        qb[quad][kc][1] = pack(part[2], part[3]);
+      }
+      // Row t of the quad lives in lanes g = 2t, 2t + 1: lane 8t has it whole.
+      const float unscale = 1.f / up, weight = kOffsetValue * sum_over_quad(sum), zp_weight = sum_over_quad(code_sum);
+      row_unscale[quad] = __shfl_sync(0xffffffffu, unscale, 8 * t);
+      offset_weight[quad] = __shfl_sync(0xffffffffu, weight, 8 * t);
+      zero_point_weight[quad] = __shfl_sync(0xffffffffu, zp_weight, 8 * t);
+      const int own_row = row_begin + quad * 4 + t;
+      row_valid[quad] = own_row < total_rows;
+      row_position[quad] = context + own_row / p.group;
+    }
+
+    // Every warp is done with its query rows before copies land there (tile 0's loop).
+    if (own_query) __syncthreads();
+
+    // Extremes over the tile's valid rows (the same in every lane): masks can be
+    // skipped for a step that every row sees whole. Rows past the end are left
+    // unmasked then: they only ever feed outputs that are never written.
+    int min_row_position = 0x7fffffff, max_row_position = -1;
+#pragma unroll
+    for (int quad = 0; quad < QUADS; ++quad) {
+      if (row_valid[quad]) {
+        min_row_position = min(min_row_position, row_position[quad]);
+        max_row_position = max(max_row_position, row_position[quad]);
+      }
+    }
+    for (int offset = 16; offset >= 1; offset /= 2) {
+      min_row_position = min(min_row_position, __shfl_xor_sync(0xffffffffu, min_row_position, offset));
+      max_row_position = max(max_row_position, __shfl_xor_sync(0xffffffffu, max_row_position, offset));
+    }
+
+    float out[MD][NP][4];
+    // What the codes' offsets add to every output channel, from one more output
+    // product whose A rows are OFFSET + zp_j for low-nibble dims (rows g) and
+    // OFFSET + 16 zp_j for high ones (rows g + 8): every lane holds them for its
+    // own accumulators, in out's column layout (its rows g, g + 8 alike). The same tensor-core sums as the outputs' (rather
+    // than fp32 sums of the zero-points on the side), so that the large parts
+    // cancel closely: the per-channel error at 32768 tokens showed the difference.
+    float offset_sum[NP][4];
+#pragma unroll
+    for (int np = 0; np < NP; ++np) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) offset_sum[np][i] = 0.f;
+#pragma unroll
+      for (int md = 0; md < MD; ++md)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) out[md][np][i] = 0.f;
+    }
+    float running_max[QUADS], running_sum[QUADS];
+#pragma unroll
+    for (int quad = 0; quad < QUADS; ++quad) {
+      running_max[quad] = -KVC_INFINITY;
+      running_sum[quad] = 0.f;
+    }
+    float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
+
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int next = tile + STAGES - 1;   // the tile whose copies go out with this one
       const int next_base = key_lo + next * TILE;
@@ -1035,7 +1134,6 @@ struct Attention {
         }
         // This thread's tokens of step j: g (i = 0) and g + 8 (i = 1).
         float key_scale[GS][2], value_scale[GS][2], key_zero_point[GS][2];
-        u32 value_bits[GS][2];
         float largest_value_scale = 0.f;
   #pragma unroll
         for (int j = 0; j < GS; ++j) {
@@ -1043,10 +1141,10 @@ struct Attention {
           for (int i = 0; i < 2; ++i) {
             const int column = (first_step + j) * 16 + g + 8 * i;
             const u32 key_bits = kQuantized ? key_scales[column * HEADS] : 0u;
-            value_bits[j][i] = kQuantized ? value_scales[column * HEADS] : 0u;
+            const u32 value_bits = kQuantized ? value_scales[column * HEADS] : 0u;
             key_scale[j][i] = kQuantized ? scale_of(key_bits) * kCodeUnit : 1.f;
             key_zero_point[j][i] = zero_point_of(key_bits);
-            value_scale[j][i] = kQuantized ? scale_of(value_bits[j][i]) * kCodeUnit : 1.f;
+            value_scale[j][i] = kQuantized ? scale_of(value_bits) * kCodeUnit : 1.f;
             // A row past the keys holds stale bytes under bulk staging: its scale
             // must not set R (its probability is 0 anyway).
             if (KVC_MBARRIERS && base + column >= key_hi) value_scale[j][i] = 0.f;
@@ -1188,18 +1286,12 @@ struct Attention {
             }
           }
           if constexpr (kOffset) {
-            // Lane (0, t) needs tokens 2t, 2t + 1 (and + 8): the scale words of lanes g = 2t, 2t + 1.
-            u32 a[4] = {0u, 0u, 0u, 0u};
-            const u32 bits_a0 = __shfl_sync(0xffffffffu, value_bits[j][0], 8 * t);
-            const u32 bits_a1 = __shfl_sync(0xffffffffu, value_bits[j][0], 8 * t + 4);
-            const u32 bits_b0 = __shfl_sync(0xffffffffu, value_bits[j][1], 8 * t);
-            const u32 bits_b1 = __shfl_sync(0xffffffffu, value_bits[j][1], 8 * t + 4);
-            if (g == 0) {
-              a[0] = offset_pair(bits_a0, bits_a1, false);
-              a[1] = offset_pair(bits_a0, bits_a1, true);
-              a[2] = offset_pair(bits_b0, bits_b1, false);
-              a[3] = offset_pair(bits_b0, bits_b1, true);
-            }
+            // Every row g of the A operand the same: the tokens 2t, 2t + 1 (and + 8)
+            // of lane t's columns, their scale words read from the stage.
+            const u32* words = value_scales + ((first_step + j) * 16 + 2 * t) * HEADS;
+            u32 a[4];
+            offset_pairs(words[0], words[HEADS], a[0], a[1]);
+            offset_pairs(words[8 * HEADS], words[9 * HEADS], a[2], a[3]);
   #pragma unroll
             for (int np = 0; np < NP; ++np) mma<kBf16>(offset_sum[np], a, pb[np][0][0], pb[np][0][1]);
           }
@@ -1226,15 +1318,14 @@ struct Attention {
       const int row = row_begin + quad * 4 + t;
       const float sum = sum_over_columns(running_sum[quad]);
       // Columns 2t (+ 2t + 1 for the low halves) of tile quad / 2 hold this row;
-      // the offset sums of those columns sit in lane t (g = 0): [c] for output
-      // dims g, [c + 2] for dims g + 8.
+      // the offset sums of those columns: [c] for output dims g, [c + 2] for dims g + 8.
       const int np = quad / 2, j = quad % 2;
       const bool with_low = kLowSlot && np == NP - 1;
       float offsets[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float column0 = kOffset ? __shfl_sync(0xffffffffu, offset_sum[np][2 * r], t) : 0.f;
-        const float column1 = kOffset ? __shfl_sync(0xffffffffu, offset_sum[np][2 * r + 1], t) : 0.f;
+        const float column0 = kOffset ? offset_sum[np][2 * r] : 0.f;
+        const float column1 = kOffset ? offset_sum[np][2 * r + 1] : 0.f;
         offsets[r] = with_low ? column0 + column1 : j ? column1 : column0;
       }
       if (!row_valid[quad]) continue;
@@ -1256,47 +1347,131 @@ struct Attention {
 };
 
 // Combine the splits' partial states of every (query token, head) row:
-// out = sum_s o_s e^{m_s - M} / (sum_s l_s e^{m_s - M} + e^{sink - M}).
-// One warp a row, kMergeRows rows a block (one block a row left most of the
-// time to block scheduling: 1.1 ms for 2^20 rows of one split on an H200).
-// Each lane works out the weights e^{m_s - M} of splits lane, lane + 32, ...
-// into the warp's part of shared memory, then sums channels lane, lane + 32, ...
-constexpr int kMergeRows = 8;
+// out = sum_s o_s e^{m_s - M} / (sum_s l_s e^{m_s - M} + e^{sink - M}),
+// rotated back where sign_shift >= 0 (blockdiag: H_b on every block of
+// b = 2^sign_shift channels, then the signs, times out_factor = 1 / b; in
+// float32, where the rotate kernel it replaces worked in float64).
+// A block of kMergeWarps warps serves kMergeWarps / split_warps rows (one
+// block a row left most of the time to block scheduling: 1.1 ms for 2^20 rows
+// of one split on an H200); the split_warps warps of a row (a power of two)
+// sum splits phase, phase + split_warps, ... of channels lane, lane + 32, ...
+// with all of a split's loads in flight, and the row's first warp adds up
+// their sums. One warp a row left a merge of 32 splits (8 x 32768 decode)
+// latency-bound: 32 us, a quarter of the step (H200, ncu).
+constexpr int kMergeWarps = 8;         // cuda_attention.MERGE_WARPS
 constexpr int kMergeMaxSplits = 256;   // cuda_attention.MAX_SPLITS
+constexpr int kMergeSlots = 8;         // channels lane + 32 k of head sizes up to 256
 
 template <typename OUT>
 __device__ void merge_splits(const float* part_out, const float* part_stats, const float* sinks, OUT* out,
-                             int num_splits, int num_tokens, int num_heads, int head_size) {
-  __shared__ float weights[kMergeRows][kMergeMaxSplits];
+                             int num_splits, int num_tokens, int num_heads, int head_size, int split_warps,
+                             const u32* signs, int sign_shift, float out_factor) {
+  __shared__ float weights[kMergeWarps][kMergeMaxSplits];
+  __shared__ float partial[kMergeWarps][32 * kMergeSlots];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int phase = warp & (split_warps - 1);   // < num_splits (host)
   const long long rows = static_cast<long long>(num_tokens) * num_heads;
-  const long long row = static_cast<long long>(blockIdx.x) * kMergeRows + warp;
-  if (row >= rows) return;   // a whole warp: no block-wide barrier follows
-  const int head = static_cast<int>(row % num_heads);
-  float peak = -KVC_INFINITY;
-  for (int s = lane; s < num_splits; s += 32) peak = fmaxf(peak, part_stats[2 * (s * rows + row)]);
-  for (int offset = 16; offset >= 1; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, offset));
-  const bool has_sink = sinks != nullptr;
-  if (has_sink) peak = fmaxf(peak, sinks[head]);
-  const float shift = peak == -KVC_INFINITY ? 0.f : peak;
+  const long long row = static_cast<long long>(blockIdx.x) * (kMergeWarps / split_warps) + warp / split_warps;
+  const bool active = row < rows;
+  float merged[kMergeSlots];
+  u32 sign_words[kMergeSlots];
   float total = 0.f;
-  for (int s = lane; s < num_splits; s += 32) {
-    const float m = part_stats[2 * (s * rows + row)];
-    const float weight = expf(m - shift);
-    total += part_stats[2 * (s * rows + row) + 1] * weight;
-    weights[warp][s] = weight;   // NaN for a NaN state
-  }
-  for (int offset = 16; offset >= 1; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-  if (has_sink) total += expf(sinks[head] - shift);
-  __syncwarp();
-  for (int c = lane; c < head_size; c += 32) {
-    float acc = 0.f;
-    for (int s = 0; s < num_splits; ++s) {
-      // A split that saw nothing of this row (weight 0) adds nothing, whatever it holds.
-      const float weight = weights[warp][s];
-      if (weight != 0.f) acc += part_out[(s * rows + row) * head_size + c] * weight;
+  if (active) {
+    // Every load that waits on nothing goes out first (the first split's
+    // values, the statistics of splits lane, lane + 32, ..., the sink, the
+    // sign words): one after another they made the merge a chain of memory
+    // latencies, 9.5 us for 1024 rows of 8 splits (H200, ncu).
+    const float* first_row = part_out + (phase * rows + row) * head_size;
+#pragma unroll
+    for (int k = 0; k < kMergeSlots; ++k) merged[k] = lane + 32 * k < head_size ? first_row[lane + 32 * k] : 0.f;
+    const float2* stats = reinterpret_cast<const float2*>(part_stats);   // (max, sum) a split and row
+    const float2 own = lane < num_splits ? stats[lane * rows + row] : make_float2(-KVC_INFINITY, 0.f);
+    const bool has_sink = sinks != nullptr;
+    const float sink = has_sink ? sinks[row % num_heads] : -KVC_INFINITY;
+#pragma unroll
+    for (int k = 0; k < kMergeSlots; ++k) sign_words[k] = sign_shift >= 0 ? __ldg(signs + k) : 0u;
+
+    float peak = own.x;
+    for (int s = lane + 32; s < num_splits; s += 32) peak = fmaxf(peak, stats[s * rows + row].x);
+    for (int offset = 16; offset >= 1; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, offset));
+    peak = fmaxf(peak, sink);
+    const float shift = peak == -KVC_INFINITY ? 0.f : peak;
+    for (int s = lane; s < num_splits; s += 32) {
+      const float2 state = s == lane ? own : stats[s * rows + row];
+      const float weight = expf(state.x - shift);
+      total += state.y * weight;
+      weights[warp][s] = weight;   // NaN for a NaN state
     }
-    out[row * static_cast<long long>(head_size) + c] = kvc::from_float<OUT>(acc / total);
+    for (int offset = 16; offset >= 1; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+    if (has_sink) total += expf(sink - shift);
+    __syncwarp();
+    // A split that saw nothing of this row (weight 0) adds nothing, whatever it holds.
+    const float first_weight = weights[warp][phase];
+#pragma unroll
+    for (int k = 0; k < kMergeSlots; ++k) merged[k] = first_weight != 0.f ? merged[k] * first_weight : 0.f;
+#pragma unroll 2
+    for (int s = phase + split_warps; s < num_splits; s += split_warps) {
+      const float weight = weights[warp][s];
+      const float* split_row = part_out + (s * rows + row) * head_size;
+#pragma unroll
+      for (int k = 0; k < kMergeSlots; ++k) {
+        const int c = lane + 32 * k;
+        if (c < head_size) {
+          const float value = split_row[c];
+          merged[k] += weight != 0.f ? value * weight : 0.f;
+        }
+      }
+    }
+  }
+  if (split_warps > 1) {
+#pragma unroll
+    for (int k = 0; k < kMergeSlots; ++k) partial[warp][lane + 32 * k] = active ? merged[k] : 0.f;
+    __syncthreads();
+    if (!active || phase != 0) return;
+    for (int w = 1; w < split_warps; ++w)
+#pragma unroll
+      for (int k = 0; k < kMergeSlots; ++k) merged[k] += partial[warp + w][lane + 32 * k];
+  } else if (!active) {
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kMergeSlots; ++k) {
+    // 0 past the head (no division): those blocks lie wholly past it (b divides d).
+    if (lane + 32 * k < head_size) merged[k] /= total;
+  }
+  if (sign_shift >= 0) {
+#pragma unroll
+    for (int stage = 0; stage < 8; ++stage) {
+      if (stage >= sign_shift) break;   // uniform: the host's b
+      const int h = 1 << stage;
+      if (h < 32) {
+        const bool upper = lane & h;
+#pragma unroll
+        for (int k = 0; k < kMergeSlots; ++k) {
+          const float other = __shfl_xor_sync(0xffffffffu, merged[k], h);
+          merged[k] = upper ? other - merged[k] : merged[k] + other;
+        }
+      } else {
+        const int j = h >> 5;
+#pragma unroll
+        for (int k = 0; k < kMergeSlots; ++k) {
+          if ((k & j) || k + j >= kMergeSlots) continue;
+          const float a = merged[k], b = merged[k + j];
+          merged[k] = a + b;
+          merged[k + j] = a - b;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kMergeSlots; ++k) {
+      const bool negative = (sign_words[k] >> lane) & 1u;   // channel lane + 32 k
+      merged[k] = (negative ? -merged[k] : merged[k]) * out_factor;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kMergeSlots; ++k) {
+    const int c = lane + 32 * k;
+    if (c < head_size) out[row * static_cast<long long>(head_size) + c] = kvc::from_float<OUT>(merged[k]);
   }
 }
 

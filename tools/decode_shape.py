@@ -2,6 +2,8 @@
 
     PYTHONPATH=. ncu -k regex:paged_attention -s 2 -c 1 python3 tools/decode_shape.py [kv_dtype] [--prefill]
 
+kv_dtype: any, auto too (an fp16 cache of random rows).
+
 Decode (default): 32 sequences x 32768 tokens, one query token each. --prefill:
 4 sequences x 8192 tokens attending causally to themselves (the prefill
 target's shape). --shape SEQS,CONTEXT,QUERY_LEN: any other (64,128,128: the
@@ -39,10 +41,14 @@ def main() -> None:
     pages = sequences * (-(-context // block_size))
     info = kc.formats.kv_dtype_info(kv_dtype)
     shape = (pages, block_size, kv_heads, info.stored_head_size(head_size))
-    key, value = (cupy.asarray(rng.integers(0, 256, shape, dtype=np.uint8)).view(info.storage) for _ in range(2))
-    scales = cupy.asarray((rng.random((pages, block_size, kv_heads)) * 0.1 + 0.01).astype(np.float32))
-    cache = kc.wrap_cache(key, value, scales, scales.copy(), kv_dtype=kv_dtype,
-                          rotation=kc.rotation_plan(head_size, args.rotation))
+    rotation = kc.rotation_plan(head_size, args.rotation)
+    if info.quantized:
+        key, value = (cupy.asarray(rng.integers(0, 256, shape, dtype=np.uint8)).view(info.storage) for _ in range(2))
+        scales = cupy.asarray((rng.random((pages, block_size, kv_heads)) * 0.1 + 0.01).astype(np.float32))
+        cache = kc.wrap_cache(key, value, scales, scales.copy(), kv_dtype=kv_dtype, rotation=rotation)
+    else:   # auto: fp16 rows
+        key, value = (cupy.asarray(rng.standard_normal(shape).astype(np.float16)) for _ in range(2))
+        cache = kc.wrap_cache(key, value, kv_dtype=kv_dtype, rotation=rotation)
     table = rng.permutation(pages).astype(np.int32).reshape(sequences, -1)
     batch = kc.plan_batch(block_table=table, seq_lens=np.full(sequences, context, np.int32),
                           cu_seqlens_q=np.arange(sequences + 1, dtype=np.int32) * query_len,

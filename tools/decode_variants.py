@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 tools/decode_variants.py VARIANTS [SHAPE]
 
 VARIANTS is a JSON list; each variant has a "name" and any of:
-  "dtypes":  KV dtypes to time (default ["int4_per_token_head"])
+  "dtypes":  KV dtypes to time (default ["int4_per_token_head"]; "auto": an fp16 cache)
   "src":     a folder of kernel sources to compile instead of kernels_cu/
              (KVCUPY_KERNEL_DIR), e.g. an older version's, for a side-by-side
   "defines": extra -D defines (e.g. {"KVC_STAGING_ONLY": 1}: copies, no math;
@@ -92,10 +92,15 @@ def decode_case(kv_dtype: str, shape: dict, rng) -> dict:
     pages = shape["batch"] * shape["context"] // shape["block_size"]
     info = kc.formats.kv_dtype_info(kv_dtype)
     rows = (pages, shape["block_size"], shape["kv_heads"], info.stored_head_size(shape["head_size"]))
-    key, value = (cupy.asarray(rng.integers(0, 256, rows, dtype=np.uint8)).view(info.storage) for _ in range(2))
-    scales = cupy.asarray((rng.random(rows[:3]) * 0.1 + 0.01).astype(np.float32))
-    cache = kc.wrap_cache(key, value, scales, scales.copy(), kv_dtype=kv_dtype,
-                          rotation=kc.rotation_plan(shape["head_size"], "none"))
+    rotation = kc.rotation_plan(shape["head_size"], "none")
+    if info.quantized:
+        key, value = (cupy.asarray(rng.integers(0, 256, rows, dtype=np.uint8)).view(info.storage) for _ in range(2))
+        scales = cupy.asarray((rng.random(rows[:3]) * 0.1 + 0.01).astype(np.float32))
+        cache = kc.wrap_cache(key, value, scales, scales.copy(), kv_dtype=kv_dtype, rotation=rotation)
+    else:   # auto: fp16 rows, no scales
+        key, value = (cupy.asarray(rng.standard_normal(rows).astype(np.float16)) for _ in range(2))
+        scales = cupy.zeros(0, np.float32)
+        cache = kc.wrap_cache(key, value, kv_dtype=kv_dtype, rotation=rotation)
     table = rng.permutation(pages).astype(np.int32).reshape(shape["batch"], -1)
     query = cupy.asarray(rng.standard_normal((shape["batch"], shape["query_heads"], shape["head_size"]))
                          .astype(np.float16))

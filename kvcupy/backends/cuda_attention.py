@@ -51,7 +51,7 @@ STAGE_THREADS, STAGE_BULK, STAGE_ROWS = 0, 1, 2
 ROW_STAGING = True   # row copies rather than bulk copies where both fit
 ROW_STAGING_MIN_STAGES = 3
 MAX_SPLITS = 256         # attention.cuh: kMergeMaxSplits
-MERGE_ROWS = 8           # attention.cuh: kMergeRows (a warp a row)
+MERGE_WARPS = 8          # attention.cuh: kMergeWarps (split_warps of them a row)
 # Four quads (16 query rows a warp) double the accumulators of two: above this
 # head size they spill even at 255 registers, so larger heads take more row tiles.
 MAX_HEAD_PAD_FOUR_QUADS = 128
@@ -614,10 +614,43 @@ def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> t
             sinks if sinks is not None else np.uintp(0), np.int32(direct))
 
 
-# The decode kernel's values of those arguments: it reads the rotated query and writes splits.
-_NO_PREFILL_IO = (np.uintp(0), np.int64(0), np.int64(0), np.int32(0), np.uintp(0), np.uintp(0), np.int32(-1),
-                  np.int32(0), np.float32(1), np.float32(1), np.uintp(0), np.int64(0), np.int64(0), np.int32(0),
-                  np.uintp(0), np.int32(0))
+def merge_split_warps(num_splits: int) -> int:
+    """Warps that share one row's merge (attention.cuh, merge_splits): the largest power
+    of two up to MERGE_WARPS and the split count."""
+    return min(MERGE_WARPS, 1 << (max(1, num_splits).bit_length() - 1))
+
+
+def _in_kernel_rotation(rotation) -> bool:
+    """Whether the decode kernel (the query) and the merge (the output) apply the
+    rotation themselves: none, or blockdiag (butterflies within a warp). A kron
+    plan's mix goes through the rotate kernel, before and after."""
+    return rotation is None or rotation.is_identity or rotation.kind == "blockdiag"
+
+
+def _sign_operands(rotation, device) -> tuple:
+    """(sign words, log2 b) of the kernels' blockdiag butterflies; (null, -1): none."""
+    from .cuda import _rotation_on
+    if rotation is None or rotation.is_identity:
+        return np.uintp(0), np.int32(-1)
+    return _rotation_on(rotation, device.index), np.int32(rotation.block.bit_length() - 1)
+
+
+def _decode_io(query, rotation, softmax_scale: float, device) -> tuple:
+    """The decode kernel's values of the prefill arguments, and its own: where it
+    reads the caller's query itself (_in_kernel_rotation), that query and how to
+    scale and rotate it; otherwise a rotated float32 query comes as `query`."""
+    import cupy
+    null = np.uintp(0)
+    if not _in_kernel_rotation(rotation):
+        q, strides, code, factor, signs = null, (0, 0), 0, 1.0, (null, np.int32(-1))
+    else:
+        q = query.data if query.data.strides[2] == query.data.itemsize else cupy.ascontiguousarray(query.data)
+        strides = (q.strides[0] // q.itemsize, q.strides[1] // q.itemsize)
+        code, factor = dtype_code(query.dtype), 1.0 / query_divisor(rotation, softmax_scale)
+        signs = _sign_operands(rotation, device)
+    return (q, np.int64(strides[0]), np.int64(strides[1]), np.int32(code), null, null, np.int32(-1),
+            np.int32(0), np.float32(factor), np.float32(1), null, np.int64(0), np.int64(0), np.int32(0),
+            null, np.int32(0)) + signs
 
 
 def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sliding_window,
@@ -641,23 +674,21 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
     arrays = batch.arrays(cuda, device)
     kernel = plan.kernel
     prefill = isinstance(kernel, PrefillKernel)
+    in_kernel = _in_kernel_rotation(rotation)
     with cupy.cuda.Device(device.index):
         sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
-        io = _prefill_io(plan, query, cache, softmax_scale, sink_logits, out) if prefill else _NO_PREFILL_IO
-        direct = bool(io[-1])
+        if prefill:
+            io = _prefill_io(plan, query, cache, softmax_scale, sink_logits, out) + (np.uintp(0), np.int32(-1))
+        else:
+            io = _decode_io(query, rotation, softmax_scale, device)
+        direct = bool(io[-3])
         query_rows = None
-        if not prefill:
-            # 1. The query in float32, rotated, scaled (softmax scale, rotation norm).
+        if not prefill and not in_kernel:
+            # 1. The query in float32, rotated (kron), scaled (softmax scale, rotation norm).
             query_rows = _buffer(plan, "query", rows, device)
-            if rotated:
-                _rotate_rows(query.data.reshape(-1, head_size), query_rows.reshape(-1, head_size),
-                             rotation, inverse=False, divisor=query_divisor(rotation, softmax_scale),
-                             x_dtype=query.dtype, out_dtype=np.dtype(np.float32))
-            else:
-                scale = plan.function("scale_query", {"KVC_IN_T": formats.CPP_TYPES[query.dtype]})
-                n = query.data.size
-                scale((min(1024, -(-n // 256)),), (256,), (query.data, query_rows, np.int64(n),
-                                                          np.float32(softmax_scale)))
+            _rotate_rows(query.data.reshape(-1, head_size), query_rows.reshape(-1, head_size),
+                         rotation, inverse=False, divisor=query_divisor(rotation, softmax_scale),
+                         x_dtype=query.dtype, out_dtype=np.dtype(np.float32))
         # 2. Partial softmax states of every split (prefill with one split: `out` itself).
         part_out = None if direct else _buffer(plan, "part_out", (plan.num_splits,) + rows, device)
         part_stats = None if direct else _buffer(plan, "part_stats", (plan.num_splits, num_tokens, num_heads, 2),
@@ -683,15 +714,19 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             shared_mem=kernel.shared_bytes)
         if direct:
             return
-        # 3. Merge the splits (and the sinks); 4. rotate back into `out`.
-        target = _buffer(plan, "out", rows, device) if rotated else out.data
-        target_dtype = np.dtype(np.float32) if rotated else out.dtype
+        # 3. Merge the splits (and the sinks), rotating back into `out` (none or
+        # blockdiag); 4. a kron plan's rotate launch.
+        signs, sign_shift = _sign_operands(rotation, device) if in_kernel else (null, np.int32(-1))
+        target = out.data if in_kernel else _buffer(plan, "out", rows, device)
+        target_dtype = out.dtype if in_kernel else np.dtype(np.float32)   # out.data: raw storage of bf16
         merge = plan.function("merge_splits", {"KVC_OUT_T": formats.CPP_TYPES[target_dtype]})
-        merge((-(-num_tokens * num_heads // MERGE_ROWS),), (32 * MERGE_ROWS,),
+        split_warps = merge_split_warps(plan.num_splits)
+        merge((-(-num_tokens * num_heads * split_warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
               (part_out, part_stats, sink_logits if sink_logits is not None else null,
                target, np.int32(plan.num_splits), np.int32(num_tokens), np.int32(num_heads),
-               np.int32(head_size)))
-        if rotated:
+               np.int32(head_size), np.int32(split_warps), signs, sign_shift,
+               np.float32(1.0 / (rotation.norm if rotated else 1))))
+        if not in_kernel:
             _rotate_rows(target.reshape(-1, head_size), out.data.reshape(-1, head_size),
                          rotation, inverse=True, divisor=float(rotation.norm),
                          x_dtype=np.dtype(np.float32), out_dtype=out.dtype)
@@ -702,7 +737,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
 def specialisations(all: bool) -> list:
     """(entry, kernels, defines) of attention.cu. all=True: every KV dtype x head-size
     class x query rows per warp, at 8 and 4 warps a block and 16-byte copies (the
-    aligned caches the library allocates), plus the merge and query kernels for
+    aligned caches the library allocates), plus the merge kernel for
     every dtype, and the prefill kernel for every KV dtype and head-size class up to
     PREFILL_MAX_HEAD_PAD; else a sample that takes each code path once, the 4-byte
     and byte-wise copies of strided and odd-length rows among them."""
@@ -710,8 +745,6 @@ def specialisations(all: bool) -> list:
     models = list(formats.MODEL_DTYPES.values())
     found = [Specialisation("attention", ("merge_splits",), {"KVC_OUT_T": formats.CPP_TYPES[d]})
              for d in models]
-    found += [Specialisation("attention", ("scale_query",), {"KVC_IN_T": formats.CPP_TYPES[d]})
-              for d in models]
     kernels = []
     if all:
         for kv in (KV_INT4, KV_INT8, KV_FP8, KV_F16, KV_BF16):
