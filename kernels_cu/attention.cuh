@@ -366,6 +366,45 @@ __device__ __forceinline__ u32 fp8_pair(u32 bytes_in_high_of_halves) {
   return (bytes_in_high_of_halves & 0x80008000u) | ((bytes_in_high_of_halves >> 1) & 0x3F803F80u);
 }
 
+// --- blockdiag butterflies on rows a warp holds ---------------------------------
+
+// H_b (b = 2^shift, the host's log2 b, uniform) on every block of b channels
+// of ROWS rows, lane l holding channels l + 32 k of each (v[r][k]): in
+// float32, the Sylvester stages h = 1, 2, .., b / 2; partners less than 32
+// channels apart sit in other lanes (shuffles), wider ones in the same lane.
+// Channels past a row's end must hold 0: their blocks lie wholly past it (b
+// divides the head size), so they never meet a real channel.
+template <int ROWS, int SLOTS>
+__device__ __forceinline__ void warp_butterflies(float (&v)[ROWS][SLOTS], int lane, int shift) {
+#pragma unroll
+  for (int stage = 0; stage < 8; ++stage) {
+    if (stage >= shift) break;
+    const int h = 1 << stage;
+    if (h < 32) {
+      const bool upper = lane & h;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int k = 0; k < SLOTS; ++k) {
+          const float other = __shfl_xor_sync(0xffffffffu, v[r][k], h);
+          v[r][k] = upper ? other - v[r][k] : v[r][k] + other;
+        }
+    } else {
+      const int j = h >> 5;
+#pragma unroll
+      for (int k = 0; k < SLOTS; ++k) {
+        if ((k & j) || k + j >= SLOTS) continue;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          const float a = v[r][k], b = v[r][k + j];
+          v[r][k] = a + b;
+          v[r][k + j] = a - b;
+        }
+      }
+    }
+  }
+}
+
 // --- a split's partial state ---------------------------------------------------
 
 // Row `row` (query token q_begin + row / group, query head kv_head x group +
@@ -777,11 +816,10 @@ struct Attention {
   // Decode reading the caller's query (p.query null): the 4 rows of one quad,
   // row_begin .. row_begin + 3 of the tile (rows past total_rows zero), into
   // rows[r][channel] in float32: times query_factor and, where sign_shift >= 0,
-  // rotated (s * x, then H_b on every block of b = 2^sign_shift channels, as
-  // the rotate kernel would, in float32: a few ulp against its float64). Lane
-  // l holds channels l + 32 k: butterflies between channels h < 32 apart are
-  // shuffles, wider ones stay in the lane. This replaces a rotate launch, and
-  // its float32 round trip through global memory, per decode step.
+  // rotated (s * x, then H_b on every block of b = 2^sign_shift channels,
+  // warp_butterflies: as the rotate kernel would, in float32, a few ulp
+  // against its float64). This replaces a rotate launch, and its float32
+  // round trip through global memory, per decode step.
   static constexpr int kQuerySlots = HEAD_PAD / 32;
   static __device__ __forceinline__ void rotate_query_quad(const Params& p, int q_begin, int row_begin,
                                                            int total_rows, int kv_head, float* rows) {
@@ -816,33 +854,7 @@ struct Attention {
 #pragma unroll
         for (int r = 0; r < 4; ++r) v[r][k] = negative ? -v[r][k] : v[r][k];
       }
-#pragma unroll
-      for (int stage = 0; stage < 8; ++stage) {
-        if (stage >= p.sign_shift) break;   // uniform: the host's b
-        const int h = 1 << stage;
-        if (h < 32) {
-          const bool upper = lane & h;
-#pragma unroll
-          for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int k = 0; k < kQuerySlots; ++k) {
-              const float other = __shfl_xor_sync(0xffffffffu, v[r][k], h);
-              v[r][k] = upper ? other - v[r][k] : v[r][k] + other;
-            }
-        } else {
-          const int j = h >> 5;
-#pragma unroll
-          for (int k = 0; k < kQuerySlots; ++k) {
-            if ((k & j) || k + j >= kQuerySlots) continue;
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              const float a = v[r][k], b = v[r][k + j];
-              v[r][k] = a + b;
-              v[r][k + j] = a - b;
-            }
-          }
-        }
-      }
+      warp_butterflies(v, lane, p.sign_shift);
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r)
@@ -1373,7 +1385,8 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
   const long long rows = static_cast<long long>(num_tokens) * num_heads;
   const long long row = static_cast<long long>(blockIdx.x) * (kMergeWarps / split_warps) + warp / split_warps;
   const bool active = row < rows;
-  float merged[kMergeSlots];
+  float merged_row[1][kMergeSlots];   // warp_butterflies' shape: one row
+  float (&merged)[kMergeSlots] = merged_row[0];
   u32 sign_words[kMergeSlots];
   float total = 0.f;
   if (active) {
@@ -1440,28 +1453,7 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
     if (lane + 32 * k < head_size) merged[k] /= total;
   }
   if (sign_shift >= 0) {
-#pragma unroll
-    for (int stage = 0; stage < 8; ++stage) {
-      if (stage >= sign_shift) break;   // uniform: the host's b
-      const int h = 1 << stage;
-      if (h < 32) {
-        const bool upper = lane & h;
-#pragma unroll
-        for (int k = 0; k < kMergeSlots; ++k) {
-          const float other = __shfl_xor_sync(0xffffffffu, merged[k], h);
-          merged[k] = upper ? other - merged[k] : merged[k] + other;
-        }
-      } else {
-        const int j = h >> 5;
-#pragma unroll
-        for (int k = 0; k < kMergeSlots; ++k) {
-          if ((k & j) || k + j >= kMergeSlots) continue;
-          const float a = merged[k], b = merged[k + j];
-          merged[k] = a + b;
-          merged[k + j] = a - b;
-        }
-      }
-    }
+    warp_butterflies(merged_row, lane, sign_shift);
 #pragma unroll
     for (int k = 0; k < kMergeSlots; ++k) {
       const bool negative = (sign_words[k] >> lane) & 1u;   // channel lane + 32 k

@@ -1,15 +1,16 @@
 """CUDA paged attention: plan a batch once, then launch kernels_cu/attention.cu.
 
-A decode call is four launches on the caller's stream, none of which waits
-for the host: the query is rotated (or scaled) to float32 in the cache's
-channel order, the attention kernel writes each split's partial softmax
-state, the merge kernel combines the splits (and the sinks), and the inverse
-rotation writes `out` (for caches without rotation the merge writes `out`
-itself). The prefill kernel reads the caller's query and rotates it itself
-(mma products with the rotation's fragments, `rotation_fragments`); with one
-split it also normalises, rotates back and writes `out`, so that a prompt is
-one launch; with several, the merge and the inverse rotation follow as in
-decode.
+A decode call is two launches on the caller's stream, none of which waits
+for the host: the attention kernel reads the caller's query, scales and
+rotates it (blockdiag: butterflies in a warp) and writes each split's
+partial softmax state; the merge kernel combines the splits (and the
+sinks), rotates back and writes `out`. A kron plan's mix takes the rotate
+kernel instead, before (the query, to float32) and after (the merged rows):
+four launches. The prefill kernel reads the caller's query and rotates it
+itself (mma products with the rotation's fragments, `rotation_fragments`);
+with one split it also normalises, rotates back and writes `out`, so that a
+prompt is one launch; with several, the merge (and for kron the rotate
+kernel) follows as in decode.
 
 The plan (made once per BatchPlan and reused by every layer) fixes what the
 kernel is specialised on and how the work is cut. Decode and short query
@@ -594,7 +595,7 @@ def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> t
     it also normalises, rotates back and writes `out`, unless `out` is not
     pair-aligned or the rotation's blocks are narrower than an mma fragment
     (16 dims), where a product would carry a non-finite value across blocks:
-    those go through the merge and the rotate kernel."""
+    those go through the merge (which rotates back block by block)."""
     import cupy
     kernel, rotation = plan.kernel, cache.rotation
     q = query.data if _pair_aligned(query.data) else cupy.ascontiguousarray(query.data)
@@ -657,7 +658,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
                     softcap: float, sinks, out) -> None:
     import cupy
     if not out.data.flags.c_contiguous:
-        # The merge and the rotate kernel write whole rows back to back: a strided
+        # The merge (and the rotate kernel) write whole rows back to back: a strided
         # `out` gets them through a contiguous copy.
         with cupy.cuda.Device(cache.device.index):
             rows = replace(out, data=cupy.empty(out.data.shape, out.data.dtype))
