@@ -43,8 +43,15 @@ def test_kron_keeps_the_rotate_launches(head_size):
     assert not ca._in_kernel_rotation(kc.rotation_plan(head_size, "kron"))
 
 
-@pytest.mark.parametrize("head_size", [32, 34, 80, 96, 128, 256])
-def test_butterflies_span_the_blockdiag_block(head_size):
-    """The kernels' sign_shift is log2 b, b the largest power of two dividing the head size."""
-    plan = kc.rotation_plan(head_size, "blockdiag")
-    assert 1 << (plan.block.bit_length() - 1) == plan.block == head_size & -head_size
+@pytest.mark.parametrize("head_size", range(32, 257, 2))
+def test_sign_shift_is_the_blockdiag_block(head_size):
+    """b = 2^sign_shift divides the head size and leaves an odd count of blocks
+    (b the largest such power of two); b <= 256: the kernels' 8 butterfly stages."""
+    shift = ca.sign_shift(kc.rotation_plan(head_size, "blockdiag"))
+    assert 0 < shift <= 8 and head_size % (1 << shift) == 0 and (head_size >> shift) % 2 == 1
+    assert ca.sign_shift(kc.rotation_plan(head_size, "none")) == ca.sign_shift(None) == -1
+
+
+def test_sign_shift_refuses_kron():
+    with pytest.raises(ValueError, match="blockdiag only"):
+        ca.sign_shift(kc.rotation_plan(96, "kron"))

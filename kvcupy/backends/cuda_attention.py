@@ -628,27 +628,38 @@ def _in_kernel_rotation(rotation) -> bool:
     return rotation is None or rotation.is_identity or rotation.kind == "blockdiag"
 
 
-def _sign_operands(rotation, device) -> tuple:
-    """(sign words, log2 b) of the kernels' blockdiag butterflies; (null, -1): none."""
-    from .cuda import _rotation_on
+def sign_shift(rotation) -> int:
+    """The kernels' sign_shift: log2 b of a blockdiag rotation's blocks (butterflies
+    within a warp, attention.cuh's warp_butterflies); -1 without a rotation."""
     if rotation is None or rotation.is_identity:
+        return -1
+    if rotation.kind != "blockdiag":
+        raise ValueError(f"rotation kind {rotation.kind!r}: the kernels' butterflies are blockdiag only")
+    return rotation.block.bit_length() - 1
+
+
+def _sign_operands(rotation, device) -> tuple:
+    """(sign words, sign_shift) of the kernels' blockdiag butterflies; (null, -1): none,
+    or a plan they do not apply (_in_kernel_rotation)."""
+    from .cuda import _rotation_on
+    if not _in_kernel_rotation(rotation) or sign_shift(rotation) < 0:
         return np.uintp(0), np.int32(-1)
-    return _rotation_on(rotation, device.index), np.int32(rotation.block.bit_length() - 1)
+    return _rotation_on(rotation, device.index), np.int32(sign_shift(rotation))
 
 
-def _decode_io(query, rotation, softmax_scale: float, device) -> tuple:
+def _decode_io(query, rotation, softmax_scale: float, signs: tuple) -> tuple:
     """The decode kernel's values of the prefill arguments, and its own: where it
-    reads the caller's query itself (_in_kernel_rotation), that query and how to
-    scale and rotate it; otherwise a rotated float32 query comes as `query`."""
+    reads the caller's query itself (_in_kernel_rotation), that query, how to
+    scale it and `signs` (_sign_operands) to rotate it; otherwise a rotated
+    float32 query comes as `query`."""
     import cupy
     null = np.uintp(0)
     if not _in_kernel_rotation(rotation):
-        q, strides, code, factor, signs = null, (0, 0), 0, 1.0, (null, np.int32(-1))
+        q, strides, code, factor = null, (0, 0), 0, 1.0
     else:
         q = query.data if query.data.strides[2] == query.data.itemsize else cupy.ascontiguousarray(query.data)
         strides = (q.strides[0] // q.itemsize, q.strides[1] // q.itemsize)
         code, factor = dtype_code(query.dtype), 1.0 / query_divisor(rotation, softmax_scale)
-        signs = _sign_operands(rotation, device)
     return (q, np.int64(strides[0]), np.int64(strides[1]), np.int32(code), null, null, np.int32(-1),
             np.int32(0), np.float32(factor), np.float32(1), null, np.int64(0), np.int64(0), np.int32(0),
             null, np.int32(0)) + signs
@@ -678,10 +689,12 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
     in_kernel = _in_kernel_rotation(rotation)
     with cupy.cuda.Device(device.index):
         sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
+        # The decode kernel's and the merge's butterflies (null, -1: none, or kron).
+        signs = _sign_operands(rotation, device)
         if prefill:
             io = _prefill_io(plan, query, cache, softmax_scale, sink_logits, out) + (np.uintp(0), np.int32(-1))
         else:
-            io = _decode_io(query, rotation, softmax_scale, device)
+            io = _decode_io(query, rotation, softmax_scale, signs)
         direct = bool(io[-3])
         query_rows = None
         if not prefill and not in_kernel:
@@ -717,7 +730,6 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             return
         # 3. Merge the splits (and the sinks), rotating back into `out` (none or
         # blockdiag); 4. a kron plan's rotate launch.
-        signs, sign_shift = _sign_operands(rotation, device) if in_kernel else (null, np.int32(-1))
         target = out.data if in_kernel else _buffer(plan, "out", rows, device)
         target_dtype = out.dtype if in_kernel else np.dtype(np.float32)   # out.data: raw storage of bf16
         merge = plan.function("merge_splits", {"KVC_OUT_T": formats.CPP_TYPES[target_dtype]})
@@ -725,7 +737,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         merge((-(-num_tokens * num_heads * split_warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
               (part_out, part_stats, sink_logits if sink_logits is not None else null,
                target, np.int32(plan.num_splits), np.int32(num_tokens), np.int32(num_heads),
-               np.int32(head_size), np.int32(split_warps), signs, sign_shift,
+               np.int32(head_size), np.int32(split_warps), *signs,
                np.float32(1.0 / (rotation.norm if rotated else 1))))
         if not in_kernel:
             _rotate_rows(target.reshape(-1, head_size), out.data.reshape(-1, head_size),
