@@ -540,6 +540,31 @@ struct Attention {
     u8* value_scales = key_scales + T::kScaleBytes;
     constexpr int kPieces = T::kRowBytes / (CHUNK == 1 ? 4 : CHUNK);
     constexpr int kWork = TILE * HEADS * kPieces;
+    constexpr int kTokenPieces = HEADS * kPieces;
+    if constexpr (CHUNK > 1 && T::kThreads % kTokenPieces == 0 && TILE % (T::kThreads / kTokenPieces) == 0) {
+      // Every token a thread copies takes the same head and piece: the piece's
+      // offsets once a tile, a block id and two addresses a token (the loop
+      // below works all of that out again for every piece).
+      constexpr int kTokenStep = T::kThreads / kTokenPieces;
+      const int rest = threadIdx.x % kTokenPieces, first = threadIdx.x / kTokenPieces;
+      const int head = rest / kPieces, offset = (rest - head * kPieces) * CHUNK;
+      const bool in_row = offset < p.row_bytes;
+      const long long key_part = (head0 + head) * p.k_head_stride + offset;
+      const long long value_part = (head0 + head) * p.v_head_stride + offset;
+      u8* const key_dst = keys + first * T::kKeyStride + head * T::kRowBytes + offset;
+      u8* const value_dst = values + first * T::kValueStride + head * T::kRowBytes + offset;
+#pragma unroll
+      for (int i = 0; i < TILE / kTokenStep; ++i) {
+        const int position = base + first + i * kTokenStep;
+        const int block = block_of(window, position >> block_shift);
+        const long long slot = position & (p.block_size - 1);
+        const int bytes = in_row && block >= 0 && position >= lo && position < hi ? CHUNK : 0;
+        const u8* key_src = p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + key_part;
+        const u8* value_src = p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + value_part;
+        cp_async(key_dst + i * kTokenStep * T::kKeyStride, bytes ? key_src : p.key_cache, bytes, CHUNK);
+        cp_async(value_dst + i * kTokenStep * T::kValueStride, bytes ? value_src : p.value_cache, bytes, CHUNK);
+      }
+    } else {
 #pragma unroll 1
     for (int i = 0; i < kWorkPerThread; ++i) {
       const int c = threadIdx.x + i * T::kThreads;
@@ -557,6 +582,7 @@ struct Attention {
       stage_row_piece<CHUNK>(p, keys + token * T::kKeyStride + head * T::kRowBytes + offset,
                              values + token * T::kValueStride + head * T::kRowBytes + offset, block, slot,
                              head0 + head, offset, valid_token);
+    }
     }
     if constexpr (kQuantized) {
 #pragma unroll 1

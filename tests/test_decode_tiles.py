@@ -62,3 +62,43 @@ def test_row_copies_need_three_stages(kv):
     assert (chosen.stages, chosen.staging) == (3, ca.STAGE_ROWS)
     int4 = Kernel(KV_INT4, 128, 8, 1, 32, 16, ca.STAGE_ROWS)
     assert ca._settle_staging(int4) == int4
+
+
+class FakeArray:
+    """What the planner reads of a cache tensor: byte strides and an address."""
+
+    def __init__(self, shape, itemsize, address=1 << 20, head_stride=None):
+        strides = [itemsize]
+        for size in reversed(shape[1:]):
+            strides.insert(0, strides[0] * size)
+        if head_stride is not None:
+            strides[2] = head_stride
+        self.strides, self.data = tuple(strides), type("Pointer", (), {"ptr": address})()
+
+
+def auto_cache(head_size, num_kv_heads=8, block_size=16, head_stride=None):
+    shape = (64, block_size, num_kv_heads, head_size)
+    arrays = [FakeArray(shape, 2, head_stride=head_stride) for _ in range(2)]
+    return type("Cache", (), dict(head_size=head_size, num_kv_heads=num_kv_heads, block_size=block_size,
+                                  key_cache=arrays[0], value_cache=arrays[1]))()
+
+
+@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
+def test_auto_caches_take_row_copies_on_sm90(head_size):
+    """16-bit caches take row copies (zero-filled past a sequence: no stale rows)
+    where a block serves 4k heads of unpadded rows; bulk copies never."""
+    chosen = ca._choose_kernel(auto_cache(head_size), KV_BF16, 1, 90)
+    assert chosen.staging == (ca.STAGE_ROWS if chosen.heads % 4 == 0 else ca.STAGE_THREADS)
+    assert chosen.stages >= ca.ROW_STAGING_MIN_STAGES or chosen.staging != ca.STAGE_ROWS
+    if head_size <= 128:
+        assert chosen.staging == ca.STAGE_ROWS
+
+
+@pytest.mark.parametrize("case", ["sm80", "padded", "two heads", "strided heads", "rows off"])
+def test_auto_caches_keep_thread_copies_otherwise(case, monkeypatch):
+    cache = {"padded": auto_cache(80), "two heads": auto_cache(128, num_kv_heads=2),
+             "strided heads": auto_cache(128, head_stride=512)}.get(case, auto_cache(128))
+    if case == "rows off":
+        monkeypatch.setattr(ca, "ROW_STAGING", False)
+    chosen = ca._choose_kernel(cache, KV_BF16, 1, 80 if case == "sm80" else 90)
+    assert chosen.staging == ca.STAGE_THREADS

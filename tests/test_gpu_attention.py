@@ -330,7 +330,8 @@ def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_s
     """Quantized pages staged on sm_90 by row copies or bulk copies (a block
     serving every KV head, head sizes at a class boundary), with partial tiles,
     runs over 2-5 pages a tile, pages past a sequence's end and spec-decode
-    rows; auto caches and head size 80 (padded to 96) keep per-thread copies.
+    rows; auto caches take row copies only (where a block serves 4k heads),
+    head size 80 (padded to 96) keeps per-thread copies.
     fits: whether the pages take an mbarrier staging (None: either)."""
     monkeypatch.setattr(cuda_attention, "ROW_STAGING", row_staging)
     rng = np.random.default_rng(head_size + num_kv_heads)
@@ -345,7 +346,11 @@ def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_s
         capable = int(cupy.cuda.Device().compute_capability) >= 90
         rows = row_staging and plan.kernel.stages >= cuda_attention.ROW_STAGING_MIN_STAGES
         staged = cuda_attention.STAGE_ROWS if rows else cuda_attention.STAGE_BULK
-        expected_staging = staged if fits and capable and kv_dtype != "auto" else cuda_attention.STAGE_THREADS
+        if kv_dtype == "auto":
+            rows = fits and capable and row_staging and plan.kernel.heads % 4 == 0
+            expected_staging = cuda_attention.STAGE_ROWS if rows else cuda_attention.STAGE_THREADS
+        else:
+            expected_staging = staged if fits and capable else cuda_attention.STAGE_THREADS
         assert plan.kernel.staging == expected_staging, plan.kernel
     out = from_device(kc.paged_attention(cupy.asarray(query), view, **args), np.float32)
     check(f"{kv_dtype} d={head_size} Hk={num_kv_heads} B={block_size}", out, expected, np.float32)

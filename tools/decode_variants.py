@@ -16,8 +16,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
   "long_split_tokens": the planner's LONG_SPLIT_TOKENS (splits shorter than this
              take 16-token tiles, whatever "tile" says)
 SHAPE is a JSON object overriding the default decode shape: batch 32, context
-32768, d 128, 8 KV / 32 query heads, block size 16 (pages in random order,
-random codes and scales, no rotation).
+32768, d 128, 8 KV / 32 query heads, block size 16, rotation "none" (pages in
+random order, random codes and scales).
 
 Each (variant, dtype) is timed as the whole paged_attention call (query scale,
 attention, merge), 10 calls between two CUDA events after 3 warm-up calls, the
@@ -43,7 +43,8 @@ from kvcupy import jit
 from kvcupy.backends import cuda_attention
 from gpu_timing import median_call_ms   # tools/, beside this script
 
-DEFAULT_SHAPE = dict(batch=32, context=32768, head_size=128, kv_heads=8, query_heads=32, block_size=16)
+DEFAULT_SHAPE = dict(batch=32, context=32768, head_size=128, kv_heads=8, query_heads=32, block_size=16,
+                     rotation="none")
 
 
 @contextlib.contextmanager
@@ -92,7 +93,7 @@ def decode_case(kv_dtype: str, shape: dict, rng) -> dict:
     pages = shape["batch"] * shape["context"] // shape["block_size"]
     info = kc.formats.kv_dtype_info(kv_dtype)
     rows = (pages, shape["block_size"], shape["kv_heads"], info.stored_head_size(shape["head_size"]))
-    rotation = kc.rotation_plan(shape["head_size"], "none")
+    rotation = kc.rotation_plan(shape["head_size"], shape["rotation"])
     if info.quantized:
         key, value = (cupy.asarray(rng.integers(0, 256, rows, dtype=np.uint8)).view(info.storage) for _ in range(2))
         scales = cupy.asarray((rng.random(rows[:3]) * 0.1 + 0.01).astype(np.float32))

@@ -4,10 +4,13 @@
 
 Runs three fresh processes against one empty compile cache (KVCUPY_CACHE_DIR in
 a temporary folder). Each imports CuPy and kvcupy and starts the CUDA context
-before its clock starts (the targets are "after imports"), then gets the int4
-decode attention kernel (d = 128, 8 KV heads a block, bulk staging) and reads
-one of its attributes, which loads the module. The first process compiles it;
-the others find it on disk. Prints one JSON object: seconds per process.
+before its clock starts (the targets are "after imports"), then gets each of
+the kernels below and reads one of its attributes, which loads the module:
+the int4 decode kernel the planner takes for d = 128 and 8 KV heads (row
+staging), and the int4 prefill kernel at d = 128 in its sm_90 (wgmma, sm_90a)
+and mma.sync builds, the largest the planner launches for that shape. The
+first process compiles them; the others find them on disk. Prints one JSON
+object: seconds per process and kernel (wall time, and NVRTC's own).
 """
 
 from __future__ import annotations
@@ -20,20 +23,32 @@ import tempfile
 import time
 
 
+def _kernels() -> dict:
+    from kvcupy.backends.cuda_attention import KV_INT4, STAGE_ROWS, Kernel, PrefillKernel
+
+    prefill_wgmma = PrefillKernel.planned(KV_INT4, 128, 16, True)
+    prefill_mma = PrefillKernel.planned(KV_INT4, 128, 16, False)
+    return {"decode": ("paged_attention", Kernel(KV_INT4, 128, 8, 1, 32, 16, STAGE_ROWS).defines, None),
+            "prefill_wgmma": ("prefill_attention", prefill_wgmma.defines, prefill_wgmma.arch),
+            "prefill_mma_sync": ("prefill_attention", prefill_mma.defines, prefill_mma.arch)}
+
+
 def _one_process() -> dict:
     import cupy
 
     from kvcupy import jit
-    from kvcupy.backends.cuda_attention import KV_INT4, Kernel
 
-    defines = Kernel(KV_INT4, 128, 8, 1, 32, 16, True).defines
     cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(1))   # the CUDA context, not counted
-    begin = time.perf_counter()
-    function = jit.get_function("attention", "paged_attention", defines)
-    function.max_threads_per_block   # reading an attribute loads the module
-    seconds = time.perf_counter() - begin
-    compiled = jit.compile_entry("attention", defines)   # the record of what was built
-    return {"seconds": round(seconds, 4), "nvrtc_seconds": compiled.seconds}
+    results = {}
+    for name, (function_name, defines, arch) in _kernels().items():
+        begin = time.perf_counter()
+        function = jit.get_function("attention", function_name, defines, arch)
+        function.max_threads_per_block   # reading an attribute loads the module
+        seconds = time.perf_counter() - begin
+        compiled = jit.compile_entry("attention", defines, arch)   # the record of what was built
+        results[name] = {"seconds": round(seconds, 4), "nvrtc_seconds": compiled.seconds,
+                         "cached": compiled.cached}
+    return results
 
 
 def main() -> None:

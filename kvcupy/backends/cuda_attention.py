@@ -47,7 +47,8 @@ SHARED_BYTES_PER_SM = 227 * 1024
 # every thread copies pieces and the block syncs; warp 0 copies each page's
 # run with one bulk copy; or every thread copies whole token rows, completing
 # on the stage's mbarrier (no block-wide sync). The last two need sm_90 and
-# pages whose rows hold the block's KV heads side by side (_bulk_copies_fit).
+# pages whose rows hold the block's KV heads side by side (_bulk_copies_fit;
+# 16-bit caches take row copies only, _row_copies_fit).
 STAGE_THREADS, STAGE_BULK, STAGE_ROWS = 0, 1, 2
 ROW_STAGING = True   # row copies rather than bulk copies where both fit
 ROW_STAGING_MIN_STAGES = 3
@@ -277,32 +278,53 @@ def _bulk_copies_fit(cache, kv: int, heads: int, stored_row: int, head_pad: int,
     return True
 
 
+def _row_copies_fit(cache, kv: int, heads: int, stored_row: int, head_pad: int, capability: int) -> bool:
+    """Whether the threads of a block over a 16-bit (auto) cache can stage whole token
+    rows of its KV heads (attention.cuh, KVC_STAGE_ROWS; quantized caches take them
+    where bulk copies fit): sm_90 or newer, the unpadded head size, a multiple of 4
+    heads a block (whole threads a token), the block's heads side by side in a row
+    and 16-byte aligned rows. A token outside its sequence is zero-filled, not
+    copied, so stale rows (which may hold NaN) never enter, as they would under
+    bulk copies of whole pages. Measured (H200, tools/decode_variants.py, fp16
+    32 x 32768, 4 heads a block, two alternating runs): d = 96 0.785 / 0.788 ms
+    against 0.859 / 0.868 with per-thread copies, d = 128 1.037 / 1.060 against
+    1.048 / 1.067, 32 x 8192 0.280 / 0.280 against 0.283 / 0.282."""
+    if capability < 90 or kv not in (KV_F16, KV_BF16) or cache.head_size != head_pad or heads % 4:
+        return False
+    for array in (cache.key_cache, cache.value_cache):
+        block_stride, slot_stride, head_stride = array.strides[:3]
+        if head_stride != stored_row or slot_stride % 16 or block_stride % 16 or array.data.ptr % 16:
+            return False
+    return True
+
+
 def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int) -> Kernel:
     head_pad = -(-cache.head_size // HEAD_CLASS) * HEAD_CLASS
     quads = 1 if rows_per_sequence <= 4 else 2 if rows_per_sequence <= 8 or head_pad > MAX_HEAD_PAD_FOUR_QUADS else 4
     stored_row = _stored_row_bytes(cache, kv)
     num_kv_heads = cache.num_kv_heads
-    best = None
+    best, best_bulk = None, False
     for heads in (8, 4, 2, 1):
         if num_kv_heads % heads:
             continue
         for tile in (32, 16):
-            fit = _bulk_copies_fit(cache, kv, heads, stored_row, head_pad, capability)
-            staging = (STAGE_ROWS if ROW_STAGING else STAGE_BULK) if fit else STAGE_THREADS
+            bulk = _bulk_copies_fit(cache, kv, heads, stored_row, head_pad, capability)
+            rows = bulk or _row_copies_fit(cache, kv, heads, stored_row, head_pad, capability)
+            staging = STAGE_ROWS if rows and ROW_STAGING else STAGE_BULK if bulk else STAGE_THREADS
             kernel = Kernel(kv, head_pad, heads, quads, tile, _copy_granule(cache, stored_row), staging)
             if kernel.shared_bytes <= STAGES * STAGE_BYTES_TARGET + 16 * STAGES:
-                return _settle_staging(_round_tile(kernel))
-            best = kernel
-    return _settle_staging(best)
+                return _settle_staging(_round_tile(kernel), bulk)
+            best, best_bulk = kernel, bulk
+    return _settle_staging(best, best_bulk)
 
 
-def _settle_staging(kernel: Kernel) -> Kernel:
+def _settle_staging(kernel: Kernel, bulk_fits: bool = True) -> Kernel:
     """Row copies go out a tile late (attention.cuh, which asserts
-    ROW_STAGING_MIN_STAGES stages for them); with fewer, bulk copies (int8 / fp8 at d = 96,
-    two stages, H200, alternating runs: rows issued early measured 3.65-3.66 /
-    3.31-3.33 TB/s against 3.47-3.50 / 3.51-3.53)."""
+    ROW_STAGING_MIN_STAGES stages for them); with fewer, bulk copies where they fit
+    (int8 / fp8 at d = 96, two stages, H200, alternating runs: rows issued early
+    measured 3.65-3.66 / 3.31-3.33 TB/s against 3.47-3.50 / 3.51-3.53), per-thread copies otherwise."""
     if kernel.staging == STAGE_ROWS and kernel.stages < ROW_STAGING_MIN_STAGES:
-        return replace(kernel, staging=STAGE_BULK)
+        return replace(kernel, staging=STAGE_BULK if bulk_fits else STAGE_THREADS)
     return kernel
 
 
@@ -765,10 +787,11 @@ def specialisations(all: bool) -> list:
                 for heads in (8, 4):
                     for quads in (1, 2, 4) if head_pad <= MAX_HEAD_PAD_FOUR_QUADS else (1, 2):
                         tile = 32 if kv == KV_INT4 else 16
-                        # Every staging of quantized caches: bulk or row copies on sm_90 where the pages allow them.
-                        stagings = ((STAGE_THREADS, STAGE_BULK, STAGE_ROWS) if kv in (KV_INT4, KV_INT8, KV_FP8)
-                                    else (STAGE_THREADS,))
-                        kernels += [_settle_staging(_round_tile(Kernel(kv, head_pad, heads, quads, tile, 16, staging)))
+                        # Every staging: bulk or row copies on sm_90 where the pages allow them (16-bit caches: rows).
+                        quantized = kv in (KV_INT4, KV_INT8, KV_FP8)
+                        stagings = (STAGE_THREADS, STAGE_BULK, STAGE_ROWS) if quantized else (STAGE_THREADS, STAGE_ROWS)
+                        kernels += [_settle_staging(_round_tile(Kernel(kv, head_pad, heads, quads, tile, 16, staging)),
+                                                    quantized)
                                     for staging in stagings]
                 if head_pad <= PREFILL_MAX_HEAD_PAD:
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, False))
@@ -779,7 +802,7 @@ def specialisations(all: bool) -> list:
                    Kernel(KV_INT4, 64, 2, 2, 32, 1), Kernel(KV_INT8, 256, 8, 2, 16, 16),
                    Kernel(KV_FP8, 128, 4, 4, 16, 16, STAGE_ROWS), Kernel(KV_FP8, 128, 8, 1, 32, 16, STAGE_ROWS),
                    Kernel(KV_INT8, 96, 8, 1, 32, 16, STAGE_BULK, 2), Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS),
-                   Kernel(KV_F16, 128, 4, 1, 16, 16),
+                   Kernel(KV_F16, 128, 4, 1, 16, 16), Kernel(KV_BF16, 128, 4, 1, 16, 16, STAGE_ROWS),
                    Kernel(KV_BF16, 96, 4, 2, 16, 8), Kernel(KV_BF16, 64, 4, 1, 16, 16),
                    PrefillKernel.planned(KV_INT4, 128, 16, False), PrefillKernel.planned(KV_INT8, 96, 4, False),
                    PrefillKernel.planned(KV_FP8, 64, 16, False), PrefillKernel.planned(KV_F16, 128, 16, False),
