@@ -10,6 +10,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
   "defines":    extra -D defines
   "wgmma":      false: the mma.sync build on sm_90 too (cuda_attention.PREFILL_WGMMA)
   "rotation":   the caches' rotation kind (default "none"; the bench's caches use "blockdiag")
+  "min_rows":   query rows a sequence (per KV head) from which the planner takes the
+                prefill kernel (cuda_attention.PREFILL_MIN_ROWS; fewer: the decode kernel's row tiles)
 SHAPES is a JSON list of [sequences, context, new tokens] (default [[4, 8192, 8192]]:
 the prefill target's causal prompt; [4, 32768, 2048] is its chunked prefill, 2048
 new tokens over 30720 cached). 32 query / 8 KV heads, d = 128 (or "head_size"
@@ -19,7 +21,7 @@ no rotation unless a variant names one.
 Each (variant, dtype, shape) is timed as the whole paged_attention call (the
 prefill kernel, and the merge and inverse rotation when it splits the keys),
 two calls between CUDA events after 3 warm-up calls,
-the median of 7; TFLOP/s counts 4 d Hq per (query, key it sees): the causal
+the median of 7, each pair queued behind a hold kernel (gpu_timing); TFLOP/s counts 4 d Hq per (query, key it sees): the causal
 square by halves, a chunk's cached part in full. Prints one JSON line a case
 and writes prefill_variants.json to $OUT (or the current folder).
 """
@@ -81,8 +83,9 @@ def with_variant(variant: dict, run):
     """run() with the variant's planner constants, defines and sources, restored after."""
     saved = (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS, cuda_attention.PREFILL_WARPS,
              cuda_attention.PREFILL_WGMMA_WARPS, cuda_attention.PrefillKernel.defines,
-             cuda_attention.PREFILL_WGMMA, os.environ.get(jit.SOURCE_DIR_ENV))
+             cuda_attention.PREFILL_WGMMA, os.environ.get(jit.SOURCE_DIR_ENV), cuda_attention.PREFILL_MIN_ROWS)
     plain_defines = saved[4].fget
+    cuda_attention.PREFILL_MIN_ROWS = variant.get("min_rows", cuda_attention.PREFILL_MIN_ROWS)
     cuda_attention.PREFILL_TILE = variant.get("tile", cuda_attention.PREFILL_TILE)
     cuda_attention.PREFILL_MIN_BLOCKS = variant.get("min_blocks", cuda_attention.PREFILL_MIN_BLOCKS)
     cuda_attention.PREFILL_WGMMA = variant.get("wgmma", cuda_attention.PREFILL_WGMMA)
@@ -96,7 +99,7 @@ def with_variant(variant: dict, run):
     finally:
         (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS, cuda_attention.PREFILL_WARPS,
          cuda_attention.PREFILL_WGMMA_WARPS, cuda_attention.PrefillKernel.defines,
-         cuda_attention.PREFILL_WGMMA, source) = saved
+         cuda_attention.PREFILL_WGMMA, source, cuda_attention.PREFILL_MIN_ROWS) = saved
         if source is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
         else:
