@@ -566,23 +566,23 @@ struct Attention {
       }
     } else {
 #pragma unroll 1
-    for (int i = 0; i < kWorkPerThread; ++i) {
-      const int c = threadIdx.x + i * T::kThreads;
-      const int token = c / (HEADS * kPieces);
-      const int rest = c - token * (HEADS * kPieces);
-      const int head = rest / kPieces;
-      const int piece = rest - head * kPieces;
-      const int position = base + token;
-      // Every lane takes part in the shuffle, also past the end of the work.
-      const int block = block_of(window, position >> block_shift);
-      if (c >= kWork) continue;
-      const bool valid_token = block >= 0 && position >= lo && position < hi;
-      const long long slot = position & (p.block_size - 1);
-      const int offset = piece * (CHUNK == 1 ? 4 : CHUNK);
-      stage_row_piece<CHUNK>(p, keys + token * T::kKeyStride + head * T::kRowBytes + offset,
-                             values + token * T::kValueStride + head * T::kRowBytes + offset, block, slot,
-                             head0 + head, offset, valid_token);
-    }
+      for (int i = 0; i < kWorkPerThread; ++i) {
+        const int c = threadIdx.x + i * T::kThreads;
+        const int token = c / (HEADS * kPieces);
+        const int rest = c - token * (HEADS * kPieces);
+        const int head = rest / kPieces;
+        const int piece = rest - head * kPieces;
+        const int position = base + token;
+        // Every lane takes part in the shuffle, also past the end of the work.
+        const int block = block_of(window, position >> block_shift);
+        if (c >= kWork) continue;
+        const bool valid_token = block >= 0 && position >= lo && position < hi;
+        const long long slot = position & (p.block_size - 1);
+        const int offset = piece * (CHUNK == 1 ? 4 : CHUNK);
+        stage_row_piece<CHUNK>(p, keys + token * T::kKeyStride + head * T::kRowBytes + offset,
+                               values + token * T::kValueStride + head * T::kRowBytes + offset, block, slot,
+                               head0 + head, offset, valid_token);
+      }
     }
     if constexpr (kQuantized) {
 #pragma unroll 1

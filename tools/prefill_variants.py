@@ -21,8 +21,9 @@ no rotation unless a variant names one.
 Each (variant, dtype, shape) is timed as the whole paged_attention call (the
 prefill kernel, and the merge and inverse rotation when it splits the keys),
 two calls between CUDA events after 3 warm-up calls,
-the median of 7, each pair queued behind a hold kernel (gpu_timing); TFLOP/s counts 4 d Hq per (query, key it sees): the causal
-square by halves, a chunk's cached part in full. Prints one JSON line a case
+the median of 7, each pair queued behind a hold kernel (gpu_timing); TFLOP/s
+counts 4 d Hq per (query, key it sees): the causal square by halves, a chunk's
+cached part in full. Prints one JSON line a case
 and writes prefill_variants.json to $OUT (or the current folder).
 """
 
