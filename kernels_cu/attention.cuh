@@ -845,12 +845,19 @@ struct Attention {
   // rotated (s * x, then H_b on every block of b = 2^sign_shift channels,
   // warp_butterflies: as the rotate kernel would, in float32, a few ulp
   // against its float64). This replaces a rotate launch, and its float32
-  // round trip through global memory, per decode step.
+  // round trip through global memory, per decode step. In two steps: the
+  // loads (a value's bits: float32, or a 16-bit value in the low half), which
+  // run() issues for the first quad before the first tiles' copies, and the
+  // rotation. Issued after those copies, the loads queued behind every
+  // block's: their wait was the prologue's longest (int4, d = 128, 32 x 8192,
+  // ncu source counters: 11% of the kernel's stall samples in the query's
+  // code, a third of them on its first conversion).
   static constexpr int kQuerySlots = HEAD_PAD / 32;
-  static __device__ __forceinline__ void rotate_query_quad(const Params& p, int q_begin, int row_begin,
-                                                           int total_rows, int kv_head, float* rows) {
+  typedef u32 QueryBits[4][kQuerySlots];
+
+  static __device__ __forceinline__ void load_query_quad(const Params& p, int q_begin, int row_begin,
+                                                         int total_rows, int kv_head, QueryBits& bits) {
     const int lane = threadIdx.x & 31;
-    float v[4][kQuerySlots];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int row = row_begin + r;
@@ -861,18 +868,28 @@ struct Attention {
 #pragma unroll
       for (int k = 0; k < kQuerySlots; ++k) {
         const int channel = lane + 32 * k;
-        float x = 0.f;
+        u32 b = 0u;   // 0.0 in every dtype
         if (valid && channel < p.head_size) {
-          if (p.query_dtype == kDtypeF32) {
-            x = static_cast<const float*>(p.query_in)[start + channel];
-          } else {
-            const u16 bits = static_cast<const u16*>(p.query_in)[start + channel];
-            x = p.query_dtype == kDtypeF16 ? kvc::to_float(kvc::half{bits}) : kvc::to_float(kvc::bfloat16{bits});
-          }
+          b = p.query_dtype == kDtypeF32 ? __float_as_uint(static_cast<const float*>(p.query_in)[start + channel])
+                                         : u32(static_cast<const u16*>(p.query_in)[start + channel]);
         }
-        v[r][k] = x;
+        bits[r][k] = b;
       }
     }
+  }
+
+  static __device__ __forceinline__ void rotate_query_quad(const Params& p, const QueryBits& bits, float* rows) {
+    const int lane = threadIdx.x & 31;
+    float v[4][kQuerySlots];
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int k = 0; k < kQuerySlots; ++k) {
+        const u32 b = bits[r][k];
+        v[r][k] = p.query_dtype == kDtypeF32   ? __uint_as_float(b)
+                  : p.query_dtype == kDtypeF16 ? kvc::to_float(kvc::half{u16(b)})
+                                               : kvc::to_float(kvc::bfloat16{u16(b)});
+      }
     if (p.sign_shift >= 0) {
 #pragma unroll
       for (int k = 0; k < kQuerySlots; ++k) {
@@ -939,6 +956,10 @@ struct Attention {
     // against 2.73-2.85 / 2.42-2.58 issued before. With two stages that would
     // leave no copy in flight: the launcher takes bulk copies there.
     static_assert(KVC_STAGING != KVC_STAGE_ROWS || STAGES >= 3, "row staging: three stages or more");
+    // The first quad's query values, loaded ahead of the first copies (load_query_quad).
+    const bool own_query = p.query == nullptr;
+    QueryBits query_bits;
+    if (own_query) load_query_quad(p, q_begin, row_begin, total_rows, kv_head, query_bits);
     // Warp 0 stages the tiles under bulk copies, every warp otherwise: those keep the window.
     PageWindow window{};
     if (KVC_STAGING != KVC_STAGE_BULK || warp == 0) window = first_window(p, table, key_lo, key_hi, block_shift);
@@ -995,7 +1016,6 @@ struct Attention {
     // The caller's query, read here (p.query null) while the first tiles' copies
     // are in flight: each warp works its rows out a quad at a time in its part
     // of the last stage, which no copy fills before the loop.
-    const bool own_query = p.query == nullptr;
     float* const query_rows = reinterpret_cast<float*>(smem + (STAGES - 1) * T::kStageBytes) + warp * 4 * HEAD_PAD;
     static_assert(HEADS * 4 * HEAD_PAD * 4 <= T::kStageBytes, "a quad's rows fit in a stage");
 #pragma unroll
@@ -1007,8 +1027,11 @@ struct Attention {
                                  : p.query + (static_cast<long long>(q_begin + token) * p.num_heads +
                                               kv_head * p.group + row % p.group) * p.head_size;
       if (own_query) {
-        if (quad > 0) __syncwarp();   // every lane is done with the previous quad's rows
-        rotate_query_quad(p, q_begin, row_begin + quad * 4, total_rows, kv_head, query_rows);
+        if (quad > 0) {
+          __syncwarp();   // every lane is done with the previous quad's rows
+          load_query_quad(p, q_begin, row_begin + quad * 4, total_rows, kv_head, query_bits);
+        }
+        rotate_query_quad(p, query_bits, query_rows);
         __syncwarp();
       }
       float values[KC][4];
