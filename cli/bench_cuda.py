@@ -82,6 +82,11 @@ MIN_REPEATS = 5
 # The hold ahead of a series lasts HOLD_MARGIN x the host time to issue it, within these bounds.
 HOLD_MARGIN = 2.0
 MIN_HOLD_S, MAX_HOLD_S = 1e-3, 0.2
+
+
+def hold_seconds(series_host_s: float) -> float:
+    """How long hold_stream sleeps ahead of a series that takes the host series_host_s to issue."""
+    return min(MAX_HOLD_S, max(MIN_HOLD_S, HOLD_MARGIN * series_host_s))
 HOST_PROBE_CALLS = 3
 
 DEFAULT_REPEATS = {"decode": 30, "prefill": 10, "write": 30, "rotate": 30}
@@ -909,7 +914,7 @@ class CudaRunner:
         cuda = self.cupy.cuda
         events = [(cuda.Event(), cuda.Event()) for _ in range(count)]
         self.stream.synchronize()
-        hold_s = min(MAX_HOLD_S, max(MIN_HOLD_S, HOLD_MARGIN * count * host_ms * 1e-3))
+        hold_s = hold_seconds(count * host_ms * 1e-3)
         self.hold((1,), (1,), (np.uint64(int(hold_s * 1e9)),))
         for index, (start, end) in enumerate(events):
             start.record(self.stream)

@@ -7,14 +7,13 @@ import time
 import cupy
 import numpy as np
 
+from cli.bench_cuda import hold_seconds
 from kvcupy import jit
 
-# Each round is queued behind hold_stream (as `kvcupy bench` does), which sleeps on
-# the GPU for HOLD_MARGIN x the host time of issuing the round: the events then time
-# the GPU's work back to back, not how fast Python issues launches (a decode call
-# at 32 x 8192 takes about as long on the host as on the GPU).
-HOLD_MARGIN = 2.0
-MIN_HOLD_S, MAX_HOLD_S = 1e-3, 0.2
+# Each round is queued behind hold_stream, as `kvcupy bench` does (the same
+# hold_seconds): the events then time the GPU's work back to back, not how fast
+# Python issues launches (a decode call at 32 x 8192 takes about as long on the
+# host as on the GPU).
 
 
 def median_call_ms(call, rounds: int, calls_per_round: int, warmup: int = 3) -> float:
@@ -27,7 +26,7 @@ def median_call_ms(call, rounds: int, calls_per_round: int, warmup: int = 3) -> 
     call()
     host_s = time.perf_counter() - begin
     hold = jit.get_function("hold_stream", "hold_stream", {})
-    hold_ns = int(min(MAX_HOLD_S, max(MIN_HOLD_S, HOLD_MARGIN * calls_per_round * host_s)) * 1e9)
+    hold_ns = int(hold_seconds(calls_per_round * host_s) * 1e9)
     times = []
     for _ in range(rounds):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
