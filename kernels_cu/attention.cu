@@ -12,43 +12,44 @@ using namespace kvc_attn;
 
 // The arguments every attention entry takes, in launch order.
 #define KVC_ATTENTION_ARGS                                                                                  \
-  const float *query, const u8 *key_cache, const u8 *value_cache, const u8 *k_scales, const u8 *v_scales,  \
-      const long long *strides, const int *block_table, const int *seq_lens, const int *cu_seqlens_q,       \
-      const int *tiles, float *part_out, float *part_stats, int num_tokens, int num_heads, int group,       \
-      int head_size, int row_bytes, int block_size, int block_shift, int num_blocks, int table_width,        \
-      int split_tokens, int window, float softcap, float code_unit, const void *query_in,                  \
-      long long q_token_stride, long long q_head_stride, int query_dtype, const uint2 *rotation_fwd,        \
-      const uint2 *rotation_inv, int rotation_shift, int rotation_stages, float query_factor,              \
-      float out_factor, void *out, long long out_token_stride, long long out_head_stride, int out_dtype,    \
-      const float *sinks, int direct, const unsigned *signs, int sign_shift
+  const float *query, const u8 *key_cache, const u8 *value_cache, const u8 *k_scales,                       \
+      const u8 *v_scales, long long k_block, long long k_slot, long long k_head, long long v_block,         \
+      long long v_slot, long long v_head, long long ks_block, long long ks_slot, long long ks_head,         \
+      long long vs_block, long long vs_slot, long long vs_head, const int *block_table,                     \
+      const int *seq_lens, const int *cu_seqlens_q, const int *tiles, float *part_out,                      \
+      float *part_stats, int num_tokens, int num_heads, int group, int head_size, int row_bytes,            \
+      int block_size, int block_shift, int num_blocks, int table_width, int split_tokens, int window,       \
+      float softcap, float code_unit, const void *query_in, long long q_token_stride,                       \
+      long long q_head_stride, int query_dtype, const uint2 *rotation_fwd, const uint2 *rotation_inv,       \
+      int rotation_shift, int rotation_stages, float query_factor, float out_factor, void *out,             \
+      long long out_token_stride, long long out_head_stride, int out_dtype, const float *sinks,             \
+      int direct, const unsigned *signs, int sign_shift
 
 namespace {
 
 // The twelve byte strides (block, slot, head of K, V, K scales, V scales) come
-// as one small device array, uploaded once per cache; every thread reads them
-// from shared memory.
+// by value: every thread has them from the start (as a device array read into
+// shared memory, they cost each block a memory round trip and a barrier before
+// its first load of the batch plan).
 __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
-  __shared__ long long shared_strides[12];
-  if (threadIdx.x < 12) shared_strides[threadIdx.x] = strides[threadIdx.x];
-  __syncthreads();
   Params p;
   p.query = query;
   p.key_cache = key_cache;
   p.value_cache = value_cache;
   p.k_scales = k_scales;
   p.v_scales = v_scales;
-  p.k_block_stride = shared_strides[0];
-  p.k_slot_stride = shared_strides[1];
-  p.k_head_stride = shared_strides[2];
-  p.v_block_stride = shared_strides[3];
-  p.v_slot_stride = shared_strides[4];
-  p.v_head_stride = shared_strides[5];
-  p.ks_block_stride = shared_strides[6];
-  p.ks_slot_stride = shared_strides[7];
-  p.ks_head_stride = shared_strides[8];
-  p.vs_block_stride = shared_strides[9];
-  p.vs_slot_stride = shared_strides[10];
-  p.vs_head_stride = shared_strides[11];
+  p.k_block_stride = k_block;
+  p.k_slot_stride = k_slot;
+  p.k_head_stride = k_head;
+  p.v_block_stride = v_block;
+  p.v_slot_stride = v_slot;
+  p.v_head_stride = v_head;
+  p.ks_block_stride = ks_block;
+  p.ks_slot_stride = ks_slot;
+  p.ks_head_stride = ks_head;
+  p.vs_block_stride = vs_block;
+  p.vs_slot_stride = vs_slot;
+  p.vs_head_stride = vs_head;
   p.block_table = block_table;
   p.seq_lens = seq_lens;
   p.cu_seqlens_q = cu_seqlens_q;
@@ -88,13 +89,14 @@ __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
   return p;
 }
 
-#define KVC_ATTENTION_PARAMS                                                                                  \
-  make_params(query, key_cache, value_cache, k_scales, v_scales, strides, block_table, seq_lens, cu_seqlens_q, \
-              tiles, part_out, part_stats, num_tokens, num_heads, group, head_size, row_bytes, block_size,     \
-              block_shift, num_blocks, table_width, split_tokens, window, softcap, code_unit, query_in,        \
-              q_token_stride, q_head_stride, query_dtype, rotation_fwd, rotation_inv, rotation_shift,          \
-              rotation_stages, query_factor, out_factor, out, out_token_stride, out_head_stride, out_dtype,    \
-              sinks, direct, signs, sign_shift)
+#define KVC_ATTENTION_PARAMS                                                                                \
+  make_params(query, key_cache, value_cache, k_scales, v_scales, k_block, k_slot, k_head, v_block,          \
+              v_slot, v_head, ks_block, ks_slot, ks_head, vs_block, vs_slot, vs_head, block_table,          \
+              seq_lens, cu_seqlens_q, tiles, part_out, part_stats, num_tokens, num_heads, group,            \
+              head_size, row_bytes, block_size, block_shift, num_blocks, table_width, split_tokens,         \
+              window, softcap, code_unit, query_in, q_token_stride, q_head_stride, query_dtype,             \
+              rotation_fwd, rotation_inv, rotation_shift, rotation_stages, query_factor, out_factor,        \
+              out, out_token_stride, out_head_stride, out_dtype, sinks, direct, signs, sign_shift)
 
 }  // namespace
 

@@ -78,6 +78,18 @@
 #define KVC_COMPUTE_ONLY 0
 #endif
 
+// Diagnostics (tools/decode_trace.py; the launcher never sets it): KVC_TRACE = N
+// gives the module a table of N blocks x kTraceMarks global-timer stamps (ns),
+// written by thread 0 of the first N blocks at their milestones (trace_mark).
+#ifndef KVC_TRACE
+#define KVC_TRACE 0
+#endif
+#if KVC_TRACE
+extern "C" {
+__device__ unsigned long long kvc_trace[KVC_TRACE * 16];
+}
+#endif
+
 namespace kvc_attn {
 
 using kvc::u16;
@@ -89,6 +101,24 @@ using kvc::unpack_bf162;
 using kvc::unpack_half2;
 
 enum { KV_INT4 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_F16 = 3, KV_BF16 = 4 };
+
+// Trace marks (KVC_TRACE): 0 start, 1 loop entry, 2 first tile in, 3 loop exit,
+// 4 done, 5 the multiprocessor's id, 6 and 7 half and three quarters of the
+// tiles in; in the prologue 8 the first pages' ids in, 9 the first copies
+// issued, 10 the query rotated (the merge: 0 start, 4 done, 5 id).
+constexpr int kTraceMarks = 16;
+__device__ __forceinline__ void trace_mark(int mark) {
+#if KVC_TRACE
+  if (threadIdx.x != 0) return;
+  const long long block = blockIdx.x + static_cast<long long>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (block >= KVC_TRACE) return;
+  unsigned long long stamp;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(stamp));
+  if (mark == 5) asm volatile("mov.u32 %0, %%smid;" : "=r"(*reinterpret_cast<unsigned*>(&stamp)));
+  if (mark == 5) stamp &= 0xffffffffull;
+  kvc_trace[block * kTraceMarks + mark] = stamp;
+#endif
+}
 
 // --- compile-time shape ----------------------------------------------------
 
@@ -846,14 +876,16 @@ struct Attention {
   // warp_butterflies: as the rotate kernel would, in float32, a few ulp
   // against its float64). This replaces a rotate launch, and its float32
   // round trip through global memory, per decode step. In two steps: the
-  // loads (a value's bits: float32, or a 16-bit value in the low half), which
-  // run() issues for the first quad before the first tiles' copies, and the
-  // rotation. Issued after those copies, the loads queued behind every
-  // block's: their wait was the prologue's longest (int4, d = 128, 32 x 8192,
-  // ncu source counters: 11% of the kernel's stall samples in the query's
-  // code, a third of them on its first conversion).
+  // loads (a value's bits: float32, or a 16-bit value in the low half) and
+  // the rotation, which run() does for the first quad before the first tiles'
+  // copies go out (see there).
   static constexpr int kQuerySlots = HEAD_PAD / 32;
-  typedef u32 QueryBits[4][kQuerySlots];
+  // The quad's rows (a value's bits each) and, where the query is rotated, the
+  // sign words of its channels lane + 32 k.
+  struct QueryBits {
+    u32 rows[4][kQuerySlots];
+    u32 signs[kQuerySlots];
+  };
 
   static __device__ __forceinline__ void load_query_quad(const Params& p, int q_begin, int row_begin,
                                                          int total_rows, int kv_head, QueryBits& bits) {
@@ -873,9 +905,13 @@ struct Attention {
           b = p.query_dtype == kDtypeF32 ? __float_as_uint(static_cast<const float*>(p.query_in)[start + channel])
                                          : u32(static_cast<const u16*>(p.query_in)[start + channel]);
         }
-        bits[r][k] = b;
+        bits.rows[r][k] = b;
       }
     }
+    // The signs too: loaded later, they queued behind every block's first copies
+    // (KVC_TRACE, int4 32 x 32768: 13 us from a block's start to its loop).
+#pragma unroll
+    for (int k = 0; k < kQuerySlots; ++k) bits.signs[k] = p.sign_shift >= 0 ? __ldg(p.signs + k) : 0u;
   }
 
   static __device__ __forceinline__ void rotate_query_quad(const Params& p, const QueryBits& bits, float* rows) {
@@ -885,7 +921,7 @@ struct Attention {
     for (int r = 0; r < 4; ++r)
 #pragma unroll
       for (int k = 0; k < kQuerySlots; ++k) {
-        const u32 b = bits[r][k];
+        const u32 b = bits.rows[r][k];
         v[r][k] = p.query_dtype == kDtypeF32   ? __uint_as_float(b)
                   : p.query_dtype == kDtypeF16 ? kvc::to_float(kvc::half{u16(b)})
                                                : kvc::to_float(kvc::bfloat16{u16(b)});
@@ -893,7 +929,7 @@ struct Attention {
     if (p.sign_shift >= 0) {
 #pragma unroll
       for (int k = 0; k < kQuerySlots; ++k) {
-        const u32 negative = (__ldg(p.signs + k) >> lane) & 1u;   // channel lane + 32 k
+        const u32 negative = (bits.signs[k] >> lane) & 1u;   // channel lane + 32 k
 #pragma unroll
         for (int r = 0; r < 4; ++r) v[r][k] = negative ? -v[r][k] : v[r][k];
       }
@@ -907,6 +943,8 @@ struct Attention {
 
   static __device__ void run(const Params& p, int block_shift) {
     extern __shared__ __align__(16) u8 smem[];
+    trace_mark(0);
+    trace_mark(5);
     // Score product S^T[token, column] = K[token, :] . Q^T[:, column] per quad of
     // 4 query rows: column 2r + part is row r's high (part 0) or low (part 1)
     // fp16 half, so thread (g, t) ends with the scores of row t, tokens g and
@@ -956,13 +994,30 @@ struct Attention {
     // against 2.73-2.85 / 2.42-2.58 issued before. With two stages that would
     // leave no copy in flight: the launcher takes bulk copies there.
     static_assert(KVC_STAGING != KVC_STAGE_ROWS || STAGES >= 3, "row staging: three stages or more");
-    // The first quad's query values, loaded ahead of the first copies (load_query_quad).
+    // The caller's query (p.query null) is read and rotated before the first
+    // tiles' copies go out, with the first pages' ids loading alongside (the
+    // same depth of dependent loads). Issued after those copies, its loads
+    // queued behind every block's and the block entered its loop about 11 us
+    // after its start, while the copies had landed by 6 or 7 and the next ones
+    // waited for the loop (KVC_TRACE, int4 d = 128, 32 x 32768 and 32 x 8192).
+    // Each warp works its rows out a quad at a time in its part of the last
+    // stage, which no copy fills before the loop.
     const bool own_query = p.query == nullptr;
+    float* const query_rows = reinterpret_cast<float*>(smem + (STAGES - 1) * T::kStageBytes) + warp * 4 * HEAD_PAD;
+    static_assert(HEADS * 4 * HEAD_PAD * 4 <= T::kStageBytes, "a quad's rows fit in a stage");
     QueryBits query_bits;
     if (own_query) load_query_quad(p, q_begin, row_begin, total_rows, kv_head, query_bits);
     // Warp 0 stages the tiles under bulk copies, every warp otherwise: those keep the window.
     PageWindow window{};
     if (KVC_STAGING != KVC_STAGE_BULK || warp == 0) window = first_window(p, table, key_lo, key_hi, block_shift);
+    if (KVC_TRACE) {
+      asm volatile("" ::"r"(window.current));   // the stamp waits for the ids
+      trace_mark(8);
+    }
+    if (own_query) {
+      rotate_query_quad(p, query_bits, query_rows);
+      __syncwarp();
+    }
     if constexpr (KVC_STAGING == KVC_STAGE_ROWS) {
       if (threadIdx.x < STAGES) {
         mbarrier_init(barriers + 8 * threadIdx.x, T::kThreads);               // every thread's copies
@@ -1003,6 +1058,7 @@ struct Attention {
       }
     }
 
+    trace_mark(9);
     // Query fragments: lane (g, t) holds column g of each quad, i.e. the high
     // (g even) or low (g odd) fp16 part of row g / 2. Per row: row_unscale,
     // offset_weight and zero_point_weight (what the products' code offsets add
@@ -1013,11 +1069,6 @@ struct Attention {
     float row_unscale[QUADS], offset_weight[QUADS], zero_point_weight[QUADS];
     int row_position[QUADS];
     bool row_valid[QUADS];
-    // The caller's query, read here (p.query null) while the first tiles' copies
-    // are in flight: each warp works its rows out a quad at a time in its part
-    // of the last stage, which no copy fills before the loop.
-    float* const query_rows = reinterpret_cast<float*>(smem + (STAGES - 1) * T::kStageBytes) + warp * 4 * HEAD_PAD;
-    static_assert(HEADS * 4 * HEAD_PAD * 4 <= T::kStageBytes, "a quad's rows fit in a stage");
 #pragma unroll
     for (int quad = 0; quad < QUADS; ++quad) {
       const int row = row_begin + quad * 4 + (g >> 1);
@@ -1026,11 +1077,9 @@ struct Attention {
       const float* q = own_query ? query_rows + (g >> 1) * HEAD_PAD
                                  : p.query + (static_cast<long long>(q_begin + token) * p.num_heads +
                                               kv_head * p.group + row % p.group) * p.head_size;
-      if (own_query) {
-        if (quad > 0) {
-          __syncwarp();   // every lane is done with the previous quad's rows
-          load_query_quad(p, q_begin, row_begin + quad * 4, total_rows, kv_head, query_bits);
-        }
+      if (own_query && quad > 0) {   // the first quad's rows are in already
+        __syncwarp();   // every lane is done with the previous quad's rows
+        load_query_quad(p, q_begin, row_begin + quad * 4, total_rows, kv_head, query_bits);
         rotate_query_quad(p, query_bits, query_rows);
         __syncwarp();
       }
@@ -1079,6 +1128,7 @@ struct Attention {
     }
 
     // Every warp is done with its query rows before copies land there (tile 0's loop).
+    trace_mark(10);
     if (own_query) __syncthreads();
 
     // Extremes over the tile's valid rows (the same in every lane): masks can be
@@ -1123,6 +1173,7 @@ struct Attention {
     }
     float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
+    trace_mark(1);
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int next = tile + STAGES - 1;   // the tile whose copies go out with this one
       const int next_base = key_lo + next * TILE;
@@ -1149,6 +1200,9 @@ struct Attention {
         }
         cp_async_commit();   // (an empty group at the end keeps wait_group's count in step)
       }
+      if (tile == 0) trace_mark(2);
+      if (tile == num_tiles / 2) trace_mark(6);
+      if (tile == 3 * num_tiles / 4) trace_mark(7);
       const int base = key_lo + tile * TILE;
       const u8* keys = smem + (tile % STAGES) * T::kStageBytes + warp * T::kRowBytes;
       const u8* values = keys + T::kKeyBytes;
@@ -1371,6 +1425,7 @@ struct Attention {
       }
     }
     cp_async_wait<0>();
+    trace_mark(3);
 
     // Partial state of this split: max and sum per row (lanes g == 0), and the
     // accumulators times R in the cache's channel order.
@@ -1405,6 +1460,7 @@ struct Attention {
         }
       }
     }
+    trace_mark(4);
   }
 };
 
@@ -1430,6 +1486,8 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
                              const u32* signs, int sign_shift, float out_factor) {
   __shared__ float weights[kMergeWarps][kMergeMaxSplits];
   __shared__ float partial[kMergeWarps][32 * kMergeSlots];
+  trace_mark(0);
+  trace_mark(5);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int phase = warp & (split_warps - 1);   // < num_splits (host)
   const long long rows = static_cast<long long>(num_tokens) * num_heads;
@@ -1515,6 +1573,7 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
     const int c = lane + 32 * k;
     if (c < head_size) out[row * static_cast<long long>(head_size) + c] = kvc::from_float<OUT>(merged[k]);
   }
+  trace_mark(4);
 }
 
 }  // namespace kvc_attn
