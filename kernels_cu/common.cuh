@@ -190,6 +190,11 @@ struct LaneGroup {
     }
 };
 
+// The smallest and largest of the values one lane holds.
+struct LaneRange {
+    float lo, hi;
+};
+
 // Power-of-two alignment in bytes of (base + byte offset), given the base's.
 __device__ __forceinline__ int alignment_at(int base_align, i64 byte_offset) {
     const int low = int(byte_offset & 15);

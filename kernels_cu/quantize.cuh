@@ -17,6 +17,7 @@ constexpr float kMinScale = 1e-6f;
 constexpr float kFloatMax = 3.402823466e38f;
 // Adding 2^23 leaves a float in [0, 2^23) as an integer in the low mantissa bits.
 constexpr float kTwo23 = 8388608.0f;
+constexpr float kSixteenth = 0.0625f;
 
 // vLLM's rounding: add +-0.5 in float32, truncate toward zero.
 __device__ __forceinline__ float round_half_away(float v) {
@@ -43,58 +44,84 @@ __device__ __forceinline__ u32 e4m3fn_bits(float v) {
 }
 
 // The scale word and codes of one vector whose values the group's lanes hold
-// (VALUES each, any order): `scale_word` for the scale cache, `code(x)` per value.
+// (VALUES each, any order) as x times `unit`, a power of two, with the lane's
+// smallest and largest x where `known` (finite then): `scale_word` for
+// the scale cache, `code(x)` per value, valid where `finite` (FORMAT.md's
+// non-finite rule stores codes 0 otherwise: the caller masks whole words with
+// `keep`, rather than every code with a select). The extremes are scaled once, and so is
+// the reciprocal scale that code() multiplies by: x * (r * unit) rounds the
+// same real number as (x * unit) * r, r = 1 / scale rounded, since both
+// products by unit are exact (normal results; with x on rotation.cuh's integer
+// grid, |x| < 2^30 and unit in [2^-126, 2^106] keep r * unit in [2^-27, 2^126]).
 template <int KV_DTYPE> struct Quantizer;
 
 template <> struct Quantizer<kInt4> {
-    float inv_scale, zero_point;
+    float code_scale, zero_point;   // both / 16: see code()
     bool finite;
+    u32 keep;   // all ones where finite, else 0
     u32 scale_word;
 
     template <int VALUES, class Group>
-    __device__ __forceinline__ Quantizer(const float (&x)[VALUES], const Group& group) {
+    __device__ __forceinline__ Quantizer(const float (&x)[VALUES], const LaneRange* known, const Group& group,
+                                         float unit) {
         float lo = x[0], hi = x[0];
+        if (known != nullptr) {
+            lo = known->lo;
+            hi = known->hi;
+        } else {
 #pragma unroll
-        for (int i = 1; i < VALUES; ++i) { lo = min_nan(lo, x[i]); hi = max_nan(hi, x[i]); }
-        lo = group.min(lo);
-        hi = group.max(hi);
+            for (int i = 1; i < VALUES; ++i) { lo = min_nan(lo, x[i]); hi = max_nan(hi, x[i]); }
+        }
+        lo = __fmul_rn(group.min(lo), unit);
+        hi = __fmul_rn(group.max(hi), unit);
         // A NaN anywhere made both NaN; an inf made one of them infinite.
         finite = fabsf(lo) <= kFloatMax && fabsf(hi) <= kFloatMax;
         const float scale = fmaxf(__fdiv_rn(__fsub_rn(hi, lo), 15.0f), kMinScale);
-        zero_point = fminf(fmaxf(round_half_away(__fdiv_rn(-lo, scale)), 0.0f), 15.0f);
-        inv_scale = __fdiv_rn(1.0f, scale);
-        scale_word = finite ? (__float_as_uint(scale) & ~0xfu) | u32(zero_point) : kNonFiniteScale;
+        const float zp = fminf(fmaxf(round_half_away(__fdiv_rn(-lo, scale)), 0.0f), 15.0f);
+        zero_point = zp * kSixteenth;
+        code_scale = __fmul_rn(__fmul_rn(__fdiv_rn(1.0f, scale), unit), kSixteenth);
+        scale_word = finite ? (__float_as_uint(scale) & ~0xfu) | u32(zp) : kNonFiniteScale;
+        keep = finite ? ~0u : 0u;
     }
     // clamp(round_half_away(x / scale + zp), 0, 15). Adding +0.5 instead of
-    // -0.5 below zero changes nothing: both clamp to 0. The floor of the
-    // clamped value is an add toward zero of 2^23.
+    // -0.5 below zero changes nothing: both clamp to 0. Worked out 16 times
+    // smaller, v / 16 = (x * r / 16 + zp / 16) + 1 / 32 with every operand and
+    // result scaled by 2^-4, which rounds each step alike (a product too small
+    // for that is absorbed by the adds either way), so that a saturating add
+    // clamps at 0 (and at 16) for free; the floor of 16 v / 16 clamped to 15 / 16
+    // is then an add toward zero of 2^19.
     __device__ __forceinline__ u32 code(float x) const {
-        const float v = __fadd_rn(__fadd_rn(__fmul_rn(x, inv_scale), zero_point), 0.5f);
-        const float clamped = fminf(fmaxf(v, 0.0f), 15.0f);
-        return finite ? __float_as_uint(__fadd_rz(clamped, kTwo23)) & 0xfu : 0u;
+        const float v = __saturatef(__fadd_rn(__fadd_rn(__fmul_rn(x, code_scale), zero_point), 0.03125f));
+        return __float_as_uint(__fadd_rz(fminf(v, 0.9375f), 524288.0f)) & 0xfu;
     }
 };
 
 template <int KV_DTYPE> struct SymmetricQuantizer {
     static constexpr float kLimit = KV_DTYPE == kInt8 ? 127.0f : 448.0f;
-    float inv_scale;
+    float code_scale;
     bool finite;
+    u32 keep;   // all ones where finite, else 0
     u32 scale_word;
 
     template <int VALUES, class Group>
-    __device__ __forceinline__ SymmetricQuantizer(const float (&x)[VALUES], const Group& group) {
+    __device__ __forceinline__ SymmetricQuantizer(const float (&x)[VALUES], const LaneRange* known,
+                                                  const Group& group, float unit) {
         float absmax = 0.0f;
+        if (known != nullptr) {
+            absmax = fmaxf(fabsf(known->lo), fabsf(known->hi));
+        } else {
 #pragma unroll
-        for (int i = 0; i < VALUES; ++i) absmax = max_nan(absmax, fabsf(x[i]));
-        absmax = group.max(absmax);
+            for (int i = 0; i < VALUES; ++i) absmax = max_nan(absmax, fabsf(x[i]));
+        }
+        absmax = __fmul_rn(group.max(absmax), unit);
         finite = absmax <= kFloatMax;
         const float scale = fmaxf(__fdiv_rn(absmax, kLimit), kMinScale);
-        inv_scale = __fdiv_rn(1.0f, scale);
+        code_scale = __fmul_rn(__fdiv_rn(1.0f, scale), unit);
         scale_word = finite ? __float_as_uint(scale) : kNonFiniteScale;
+        keep = finite ? ~0u : 0u;
     }
     __device__ __forceinline__ u32 code(float x) const {
-        if (!finite) return 0u;
-        const float scaled = __fmul_rn(x, inv_scale);
+        const float scaled = __fmul_rn(x, code_scale);
         if constexpr (KV_DTYPE == kInt8) {
             const float rounded = fminf(fmaxf(round_half_away(scaled), -128.0f), 127.0f);
             return u32(__float2int_rz(rounded)) & 0xffu;

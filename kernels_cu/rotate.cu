@@ -66,8 +66,10 @@ constexpr float kSmallestNormal = 1.17549435e-38f;
 constexpr float kLargestFinite = 3.40282347e38f;
 
 // y = the rotation of x (the lane's values, initial layout) divided as p says, final layout.
-__device__ __forceinline__ void transformed(const RotateParams& p, const Group& group, float (&x)[Layout::kValues],
-                                            float (&y)[Layout::kValues]) {
+// runs: the lane's raw inputs (their order aside, the same values as x's).
+__device__ __forceinline__ void transformed(const RotateParams& p, const Group& group,
+                                            const Words<kInputRunBytes> (&runs)[Layout::kRows],
+                                            float (&x)[Layout::kValues], float (&y)[Layout::kValues]) {
     constexpr int C = Layout::kColumns;
 #if KVC_ROTATE
     u32 signs[Layout::kRows];
@@ -83,7 +85,12 @@ __device__ __forceinline__ void transformed(const RotateParams& p, const Group& 
         float signed_x[Layout::kValues];
 #pragma unroll
         for (int i = 0; i < Layout::kValues; ++i) signed_x[i] = negate_if(x[i], (signs[i / C] >> (i % C)) & 1u);
-        const ExactGrid grid = exact_grid<SignificantBits<Input>::value>(signed_x, group);
+#if __CUDA_ARCH__ >= 900
+        const Extremes lane = lane_extremes_of_bits<Input>(runs);
+#else
+        const Extremes lane = lane_extremes(signed_x);
+#endif
+        const ExactGrid grid = exact_grid<SignificantBits<Input>::value>(lane, group);
         const float unit = p.divide == kKeep ? grid.unit : __fmul_rn(grid.unit, float(p.reciprocal));
         if (grid.ok && p.divide != kDivide && unit >= kSmallestNormal && unit <= kLargestFinite) {
             exact_rotation<Layout>(signed_x, grid, group, unit, y);
@@ -147,7 +154,7 @@ __device__ __forceinline__ void rotate_row(const RotateParams& p, i64 row, const
 #endif
 
     float y[Layout::kValues];
-    transformed(p, group, x, y);
+    transformed(p, group, f.runs, x, y);
 
 #if KVC_ORDERS
     if (p.write_order != nullptr) {

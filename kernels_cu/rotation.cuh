@@ -332,16 +332,46 @@ struct ExactGrid {
     float unit;      // 2^-k
 };
 
-template <int SIGNIFICANT_BITS, int VALUES, class Group>
-__device__ __forceinline__ ExactGrid exact_grid(const float (&x)[VALUES], const Group& group) {
+// A lane's largest and smallest |x|, exact_grid's inputs.
+struct Extremes {
+    float largest;    // NaN where an x is NaN
+    float smallest;
+};
+
+template <int VALUES>
+__device__ __forceinline__ Extremes lane_extremes(const float (&x)[VALUES]) {
     float largest = 0.0f, smallest = __uint_as_float(0x7f800000u);
 #pragma unroll
     for (int i = 0; i < VALUES; ++i) {
         largest = max_nan(largest, fabsf(x[i]));   // NaN: exponent field 255, rejected below
         smallest = fminf(smallest, fabsf(x[i]));
     }
-    largest = group.max(largest);
-    smallest = group.min(smallest);
+    return {largest, smallest};
+}
+
+// The same from the raw words of 16-bit inputs (two a word, signs applied or
+// not): |x| orders as its bits less the sign, NaN and inf above every finite
+// value, so one u16x2 max and one min (a single VIMNMX each on sm_90) take two
+// values at once, where the float path spends two FMNMX a value.
+template <class T, int ROWS, int BYTES>   // T: a 16-bit type (SignificantBits > 0)
+__device__ __forceinline__ Extremes lane_extremes_of_bits(const Words<BYTES> (&runs)[ROWS]) {
+    u32 high = 0u, low = ~0u;
+#pragma unroll
+    for (int a = 0; a < ROWS; ++a) {
+#pragma unroll
+        for (int w = 0; w < Words<BYTES>::count; ++w) {
+            const u32 magnitudes = runs[a].w[w] & 0x7fff7fffu;
+            high = __vmaxu2(high, magnitudes);
+            low = __vminu2(low, magnitudes);
+        }
+    }
+    return {Scalar<T>::to_float(max(high & 0xffffu, high >> 16)), Scalar<T>::to_float(min(low & 0xffffu, low >> 16))};
+}
+
+template <int SIGNIFICANT_BITS, class Group>
+__device__ __forceinline__ ExactGrid exact_grid(const Extremes& lane, const Group& group) {
+    const float largest = group.max(lane.largest);
+    const float smallest = group.min(lane.smallest);
     // largest in [2^(top-127), 2^(top-126)): k = 148 - top puts it below 2^22.
     // A zero fails the smallest's test: see the note above.
     const int top = int((__float_as_uint(largest) >> 23) & 0xffu);
@@ -356,9 +386,15 @@ __device__ __forceinline__ ExactGrid exact_grid(const float (&x)[VALUES], const 
 // run on the offset values (magic + n) in wrapping u32 arithmetic: a
 // Sylvester row other than the first sums to zero, so the offsets cancel
 // everywhere but in column 0 of each row, which drops POW2 of them.
-template <class Layout, class Group>
+// SCALED false leaves y = float(H x * 2^k): the caller applies `unit` (write.cu
+// folds it into the quantizer's reciprocal scale), and gets the lane's smallest
+// and largest y in `extremes` (from the integers, three at a time: float()
+// keeps their order).
+
+template <class Layout, bool SCALED = true, class Group>
 __device__ __forceinline__ void exact_rotation(const float (&x)[Layout::kValues], const ExactGrid& grid,
-                                               const Group& group, float unit, float (&y)[Layout::kValues]) {
+                                               const Group& group, float unit, float (&y)[Layout::kValues],
+                                               LaneRange* extremes = nullptr) {
     static_assert(Layout::kSwaps == 0, "the integer stages keep the initial layout");
     constexpr int C = Layout::kColumns;
     u32 n[Layout::kValues];
@@ -400,7 +436,20 @@ __device__ __forceinline__ void exact_rotation(const float (&x)[Layout::kValues]
         for (int a = 0; a < Layout::kRows; ++a) n[a * C] -= kGridMagicBits * u32(Layout::kPow2);
     }
 #pragma unroll
-    for (int i = 0; i < Layout::kValues; ++i) y[i] = __fmul_rn(__int2float_rn(int(n[i])), unit);
+    for (int i = 0; i < Layout::kValues; ++i) {
+        y[i] = __int2float_rn(int(n[i]));
+        if (SCALED) y[i] = __fmul_rn(y[i], unit);
+    }
+    if (!SCALED) {
+        int lo = int(n[0]), hi = int(n[0]);
+#pragma unroll
+        for (int i = 1; i < Layout::kValues; i += 2) {
+            const int second = i + 1 < Layout::kValues ? int(n[i + 1]) : int(n[i]);
+            lo = __vimin3_s32(lo, int(n[i]), second);
+            hi = __vimax3_s32(hi, int(n[i]), second);
+        }
+        *extremes = {__int2float_rn(lo), __int2float_rn(hi)};
+    }
 }
 
 }  // namespace kvc

@@ -62,11 +62,23 @@ __device__ __forceinline__ void round_to_input(float (&y)[Layout::kValues]) {
 }
 #endif
 
-// The values that get quantized (or stored, for auto), in the final layout.
+// How the values of transformed() relate to the vector's.
+struct Scaling {
+    float unit;        // a power of two: the vector is y x unit
+    bool ranged;       // the lane's extremes of y are known (range)
+    LaneRange range;
+};
+
+// The values that get quantized (or stored, for auto), in the final layout: y
+// times `unit`, a power of two (1 but on the integer path, whose float(n) * 2^-k
+// it leaves to the quantizer: one multiply a vector instead of one a value, and
+// the extremes from the integers).
 __device__ __forceinline__ void transformed(Words<kInputRunBytes> (&runs)[Layout::kRows], const Group& group,
                                             const Signs& signs, const u32* __restrict__ rotation,
-                                            float (&y)[Layout::kValues]) {
+                                            float (&y)[Layout::kValues], Scaling& scaling) {
     constexpr int C = Layout::kColumns;
+    scaling.unit = 1.0f;
+    scaling.ranged = false;
     signs.apply(runs);
     float x[Layout::kValues];
 #pragma unroll
@@ -79,11 +91,20 @@ __device__ __forceinline__ void transformed(Words<kInputRunBytes> (&runs)[Layout
         float signed_x[Layout::kValues];
 #pragma unroll
         for (int i = 0; i < Layout::kValues; ++i) signed_x[i] = negate_if(x[i], (sign_bits[i / C] >> (i % C)) & 1u);
-        const ExactGrid grid = exact_grid<SignificantBits<Input>::value>(signed_x, group);
+#if __CUDA_ARCH__ >= 900
+        const Extremes lane = lane_extremes_of_bits<Input>(runs);
+#else
+        const Extremes lane = lane_extremes(signed_x);
+#endif
+        const ExactGrid grid = exact_grid<SignificantBits<Input>::value>(lane, group);
         if (grid.ok) {
-            exact_rotation<Layout>(signed_x, grid, group, grid.unit, y);
 #if KVC_ROUND_TO_INPUT
+            exact_rotation<Layout>(signed_x, grid, group, grid.unit, y);
             round_to_input(y);
+#else
+            exact_rotation<Layout, false>(signed_x, grid, group, grid.unit, y, &scaling.range);
+            scaling.unit = grid.unit;
+            scaling.ranged = true;
 #endif
             return;
         }
@@ -105,10 +126,12 @@ __device__ __forceinline__ void transformed(Words<kInputRunBytes> (&runs)[Layout
 #endif
 }
 
-// Quantize (or convert) the final-layout values y and store the lane's runs and, on rank 0, the scale.
+// Quantize (or convert) the final-layout values y x unit (transformed) and store
+// the lane's runs and, on rank 0, the scale.
 template <int KV_DTYPE, class Cache = CacheT>   // dependent names: if constexpr drops the other branches
-__device__ __forceinline__ void store_vector(const float (&y)[Layout::kValues], const Group& group,
-                                             const Destination& to, int align) {
+__device__ __forceinline__ void store_vector(const float (&y)[Layout::kValues], const Scaling& scaling,
+                                             const Group& group, const Destination& to, int align) {
+    const float unit = scaling.unit;
     constexpr int R = Layout::kRun;
     constexpr int C = Layout::kColumns;
     if constexpr (KV_DTYPE == kAuto) {
@@ -118,19 +141,22 @@ __device__ __forceinline__ void store_vector(const float (&y)[Layout::kValues], 
 #pragma unroll
             for (int t = 0; t < Layout::kRunsPerRow; ++t) {
                 Words<R * kSize> run;
-                to_run<Cache, R>(y + a * C + t * R, run);
+                float scaled[R];
+#pragma unroll
+                for (int r = 0; r < R; ++r) scaled[r] = __fmul_rn(y[a * C + t * R + r], unit);   // exact
+                to_run<Cache, R>(scaled, run);
                 const i64 first = i64(a) * Layout::kPow2 + Layout::final_column(group.rank, t);
                 store_run(to.row + first, run, alignment_at(align, first * kSize));
             }
         }
     } else {
-        const Quantizer<KV_DTYPE> quantizer(y, group);
+        const Quantizer<KV_DTYPE> quantizer(y, scaling.ranged ? &scaling.range : nullptr, group, unit);
         u8* row = reinterpret_cast<u8*>(to.row);
         if constexpr (KV_DTYPE == kInt4 && R == 1) {
             // One column a lane: lane 2i stores the byte of columns 2i (low nibble) and 2i+1.
 #pragma unroll
             for (int a = 0; a < Layout::kRows; ++a) {
-                const u32 code = quantizer.code(y[a]);
+                const u32 code = quantizer.code(y[a]) & quantizer.keep;
                 const u32 odd = group.exchange(code, 1);
                 if ((group.rank & 1) == 0) row[(a * Layout::kPow2 + group.rank) / 2] = u8(code | (odd << 4));
             }
@@ -148,6 +174,8 @@ __device__ __forceinline__ void store_vector(const float (&y)[Layout::kValues], 
                             byte |= quantizer.code(y[a * C + t * R + r + 1]) << 4;
                         set_element_bits<1>(run, r / kPerByte, byte);
                     }
+#pragma unroll
+                    for (int w = 0; w < Words<R / kPerByte>::count; ++w) run.w[w] &= quantizer.keep;
                     const i64 first = (i64(a) * Layout::kPow2 + Layout::final_column(group.rank, t)) / kPerByte;
                     store_run(row + first, run, alignment_at(align, first));
                 }
@@ -208,8 +236,9 @@ __device__ __forceinline__ void write_vector(const Common& c, const Stream& s, c
     const i64 block = c.block_shift >= 0 ? f.slot >> c.block_shift : f.slot / c.block_size;
     const i64 offset = f.slot - block * c.block_size;
     float y[Layout::kValues];
-    transformed(f.runs, group, signs, c.rotation, y);
-    store_vector<KVC_KV_DTYPE>(y, group,
+    Scaling scaling;
+    transformed(f.runs, group, signs, c.rotation, y, scaling);
+    store_vector<KVC_KV_DTYPE>(y, scaling, group,
                                {s.cache + block * s.cache_block + offset * s.cache_slot + at.head * s.cache_head,
                                 s.scales + block * s.scale_block + offset * s.scale_slot + at.head * s.scale_head},
                                c.cache_align);
