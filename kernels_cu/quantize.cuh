@@ -90,9 +90,15 @@ template <> struct Quantizer<kInt4> {
     // for that is absorbed by the adds either way), so that a saturating add
     // clamps at 0 (and at 16) for free; the floor of 16 v / 16 clamped to 15 / 16
     // is then an add toward zero of 2^19.
-    __device__ __forceinline__ u32 code(float x) const {
+    __device__ __forceinline__ u32 code(float x) const { return raw_code(x) & 0xfu; }
+    // The byte of two values (the even one in the low nibble) in the low 8 bits.
+    __device__ __forceinline__ u32 pair_byte(float even, float odd) const {
+        return (raw_code(odd) << 4) + raw_code(even);   // 2^19's bits carry nothing into them
+    }
+    // The code in the low 4 bits above 2^19's own.
+    __device__ __forceinline__ u32 raw_code(float x) const {
         const float v = __saturatef(__fadd_rn(__fadd_rn(__fmul_rn(x, code_scale), zero_point), 0.03125f));
-        return __float_as_uint(__fadd_rz(fminf(v, 0.9375f), 524288.0f)) & 0xfu;
+        return __float_as_uint(__fadd_rz(fminf(v, 0.9375f), 524288.0f));
     }
 };
 
@@ -120,11 +126,13 @@ template <int KV_DTYPE> struct SymmetricQuantizer {
         scale_word = finite ? __float_as_uint(scale) : kNonFiniteScale;
         keep = finite ? ~0u : 0u;
     }
-    __device__ __forceinline__ u32 code(float x) const {
+    __device__ __forceinline__ u32 code(float x) const { return code_byte(x) & 0xffu; }
+    // The code in the low 8 bits (int8: of its int32, two's complement).
+    __device__ __forceinline__ u32 code_byte(float x) const {
         const float scaled = __fmul_rn(x, code_scale);
         if constexpr (KV_DTYPE == kInt8) {
             const float rounded = fminf(fmaxf(round_half_away(scaled), -128.0f), 127.0f);
-            return u32(__float2int_rz(rounded)) & 0xffu;
+            return u32(__float2int_rz(rounded));
         } else {
             return e4m3fn_bits(scaled);
         }

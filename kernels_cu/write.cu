@@ -167,12 +167,31 @@ __device__ __forceinline__ void store_vector(const float (&y)[Layout::kValues], 
 #pragma unroll
                 for (int t = 0; t < Layout::kRunsPerRow; ++t) {
                     Words<R / kPerByte> run;
+                    const float* values = y + a * C + t * R;
+                    if constexpr ((R / kPerByte) % 4 == 0) {
+                        // Whole words: each byte is the low byte of a code (int4: of a
+                        // pair) whose higher bits need no clearing, four gathered by
+                        // byte permutes (in place of a mask, shift and insert a byte).
 #pragma unroll
-                    for (int r = 0; r < R; r += kPerByte) {
-                        u32 byte = quantizer.code(y[a * C + t * R + r]);
-                        if constexpr (kPerByte == 2)   // even value in the low nibble
-                            byte |= quantizer.code(y[a * C + t * R + r + 1]) << 4;
-                        set_element_bits<1>(run, r / kPerByte, byte);
+                        for (int w = 0; w < R / kPerByte / 4; ++w) {
+                            u32 bytes[4];
+#pragma unroll
+                            for (int b = 0; b < 4; ++b) {
+                                const int r = kPerByte * (4 * w + b);
+                                if constexpr (kPerByte == 2) bytes[b] = quantizer.pair_byte(values[r], values[r + 1]);
+                                else bytes[b] = quantizer.code_byte(values[r]);
+                            }
+                            run.w[w] = __byte_perm(__byte_perm(bytes[0], bytes[1], 0x0040),
+                                                   __byte_perm(bytes[2], bytes[3], 0x0040), 0x5410);
+                        }
+                    } else {
+#pragma unroll
+                        for (int r = 0; r < R; r += kPerByte) {
+                            u32 byte = quantizer.code(values[r]);
+                            if constexpr (kPerByte == 2)   // even value in the low nibble
+                                byte |= quantizer.code(values[r + 1]) << 4;
+                            set_element_bits<1>(run, r / kPerByte, byte);
+                        }
                     }
 #pragma unroll
                     for (int w = 0; w < Words<R / kPerByte>::count; ++w) run.w[w] &= quantizer.keep;
