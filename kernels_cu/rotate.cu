@@ -85,12 +85,7 @@ __device__ __forceinline__ void transformed(const RotateParams& p, const Group& 
         float signed_x[Layout::kValues];
 #pragma unroll
         for (int i = 0; i < Layout::kValues; ++i) signed_x[i] = negate_if(x[i], (signs[i / C] >> (i % C)) & 1u);
-#if __CUDA_ARCH__ >= 900
-        const Extremes lane = lane_extremes_of_bits<Input>(runs);
-#else
-        const Extremes lane = lane_extremes(signed_x);
-#endif
-        const ExactGrid grid = exact_grid<SignificantBits<Input>::value>(lane, group);
+        const ExactGrid grid = exact_grid_of<Input>(runs, signed_x, group);
         const float unit = p.divide == kKeep ? grid.unit : __fmul_rn(grid.unit, float(p.reciprocal));
         if (grid.ok && p.divide != kDivide && unit >= kSmallestNormal && unit <= kLargestFinite) {
             exact_rotation<Layout>(signed_x, grid, group, unit, y);

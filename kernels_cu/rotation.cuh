@@ -380,6 +380,19 @@ __device__ __forceinline__ ExactGrid exact_grid(const Extremes& lane, const Grou
     return {ok, __uint_as_float(u32(275 - top) << 23), __uint_as_float(u32(top - 21) << 23)};
 }
 
+// exact_grid for a group's 16-bit inputs T: from their raw words on sm_90, from
+// the lane's values x (the same numbers, signs applied or not) elsewhere.
+template <class T, int ROWS, int BYTES, int VALUES, class Group>
+__device__ __forceinline__ ExactGrid exact_grid_of(const Words<BYTES> (&runs)[ROWS], const float (&x)[VALUES],
+                                                   const Group& group) {
+#if __CUDA_ARCH__ >= 900
+    const Extremes lane = lane_extremes_of_bits<T>(runs);
+#else
+    const Extremes lane = lane_extremes(x);
+#endif
+    return exact_grid<SignificantBits<T>::value>(lane, group);
+}
+
 // hadamard_rows on the grid: y = float(H x * 2^k) * unit, for a layout
 // without swaps (every cross stage exchanges all values: one shuffle and one
 // multiply-add each, fewer instructions than a swap's selects). The adds

@@ -91,12 +91,7 @@ __device__ __forceinline__ void transformed(Words<kInputRunBytes> (&runs)[Layout
         float signed_x[Layout::kValues];
 #pragma unroll
         for (int i = 0; i < Layout::kValues; ++i) signed_x[i] = negate_if(x[i], (sign_bits[i / C] >> (i % C)) & 1u);
-#if __CUDA_ARCH__ >= 900
-        const Extremes lane = lane_extremes_of_bits<Input>(runs);
-#else
-        const Extremes lane = lane_extremes(signed_x);
-#endif
-        const ExactGrid grid = exact_grid<SignificantBits<Input>::value>(lane, group);
+        const ExactGrid grid = exact_grid_of<Input>(runs, signed_x, group);
         if (grid.ok) {
 #if KVC_ROUND_TO_INPUT
             exact_rotation<Layout>(signed_x, grid, group, grid.unit, y);
