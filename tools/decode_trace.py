@@ -1,16 +1,18 @@
 """Where a decode call's time goes, block by block: global-timer stamps of every
 attention and merge block (attention.cuh's KVC_TRACE build) over one call.
 
-    PYTHONPATH=. python3 tools/decode_trace.py [KV_DTYPE] [SHAPE]
+    PYTHONPATH=.:tools python3 tools/decode_trace.py [KV_DTYPE] [SHAPE]
 
 SHAPE is a JSON object over decode_variants.py's default shape (e.g.
 '{"batch": 32, "context": 8192, "rotation": "blockdiag"}'). After warm-up calls
 of the traced build, one call runs on an idle GPU; times are in microseconds
 from the first attention block's start. Prints percentiles of each block's
-phases (prologue, first tile's wait, tile loop, epilogue), when half and three
-quarters of their tiles were in, when blocks start and end, the merge's span,
-and writes trace-*.json (every stamp) to $OUT (or the current folder). The stamps cost a few instructions a block; the timer ticks
-in steps of tens of nanoseconds or more, so read microseconds, not less.
+phases (prologue and its steps, first tile's wait, tile loop, epilogue), when
+half and three quarters of its tiles were in, when blocks start and end (and
+per multiprocessor), the merge's span, and writes trace-KV_DTYPE-BxL.json
+(every stamp) to $OUT (or the current folder). The stamps cost a few
+instructions a block; the timer ticks in tens of nanoseconds or more, so read
+microseconds, not less.
 """
 
 from __future__ import annotations
