@@ -23,8 +23,8 @@ F32 = np.float32
 MIN_SCALE = F32(1e-6)
 
 
-def kernel_int4(f: np.ndarray, unit: float) -> tuple[np.ndarray, np.uint32]:
-    """(codes, scale word) as quantize.cuh's Quantizer<kInt4> computes them for float(n) = f."""
+def kernel_int4(f: np.ndarray, unit: float) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, scale word as float32) as quantize.cuh's Quantizer<kInt4> computes them for float(n) = f."""
     unit = F32(unit)
     lo, hi = f.min() * unit, f.max() * unit
     scale = np.maximum(F32(hi - lo) / F32(15), MIN_SCALE)
@@ -33,7 +33,7 @@ def kernel_int4(f: np.ndarray, unit: float) -> tuple[np.ndarray, np.uint32]:
     v = F32(F32(f * code_scale) + F32(zero_point * F32(0.0625))) + F32(0.03125)
     v = np.minimum(np.clip(v, F32(0), F32(1)), F32(0.9375))   # the saturating add, then 15 / 16
     word = (scale.view(np.uint32) & ~np.uint32(0xF)) | np.uint32(zero_point)
-    return np.floor(v * F32(16)).astype(np.uint8), word
+    return np.floor(v * F32(16)).astype(np.uint8), word.view(F32)
 
 
 def kernel_int8(f: np.ndarray, unit: float) -> tuple[np.ndarray, np.ndarray]:
@@ -67,22 +67,18 @@ def integer_vectors(rng) -> list[np.ndarray]:
 UNITS = [2.0 ** e for e in (-126, -120, -100, -60, -30, -8, 0, 8, 30, 60, 90)]
 
 
+QUANTIZERS = {"int4": (kernel_int4, reference.quantize_int4), "int8": (kernel_int8, reference.quantize_int8)}
+
+
 @pytest.mark.parametrize("unit", UNITS, ids=lambda u: f"2^{int(np.log2(u))}")
-def test_int4_codes_and_scale_match_the_oracle(unit):
+@pytest.mark.parametrize("kv", QUANTIZERS)
+def test_codes_and_scale_word_match_the_oracle(kv, unit):
+    kernel, oracle = QUANTIZERS[kv]
     for f in integer_vectors(np.random.default_rng(4)):
-        expected_codes, expected_word = reference.quantize_int4(f * F32(unit))
-        codes, word = kernel_int4(f, unit)
-        assert np.array_equal(codes, expected_codes), (f[:8], unit)
-        assert word == np.asarray(expected_word, F32).view(np.uint32), (f[:8], unit)
-
-
-@pytest.mark.parametrize("unit", UNITS, ids=lambda u: f"2^{int(np.log2(u))}")
-def test_int8_codes_and_scale_match_the_oracle(unit):
-    for f in integer_vectors(np.random.default_rng(8)):
-        expected_codes, expected_scale = reference.quantize_int8(f * F32(unit))
-        codes, scale = kernel_int8(f, unit)
-        assert np.array_equal(codes, expected_codes), (f[:8], unit)
-        assert scale == expected_scale
+        expected_codes, expected_scale = oracle(f * F32(unit))
+        codes, scale = kernel(f, unit)
+        assert np.array_equal(codes, expected_codes), (kv, f[:8], unit)
+        assert np.asarray(scale, F32).view(np.uint32) == np.asarray(expected_scale, F32).view(np.uint32), (kv, unit)
 
 
 def test_the_cases_reach_a_code_of_16_before_the_clamp():
