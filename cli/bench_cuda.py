@@ -82,11 +82,6 @@ MIN_REPEATS = 5
 # The hold ahead of a series lasts HOLD_MARGIN x the host time to issue it, within these bounds.
 HOLD_MARGIN = 2.0
 MIN_HOLD_S, MAX_HOLD_S = 1e-3, 0.2
-
-
-def hold_seconds(series_host_s: float) -> float:
-    """How long hold_stream sleeps ahead of a series that takes the host series_host_s to issue."""
-    return min(MAX_HOLD_S, max(MIN_HOLD_S, HOLD_MARGIN * series_host_s))
 HOST_PROBE_CALLS = 3
 
 DEFAULT_REPEATS = {"decode": 30, "prefill": 10, "write": 30, "rotate": 30}
@@ -97,6 +92,11 @@ GROUP_KINDS = ("decode", "sweep", "prefill", "prefill_sweep", "write", "rotate")
 KINDS_OF_PHASE = {"all": GROUP_KINDS, "decode": ("decode", "sweep"), "prefill": ("prefill", "prefill_sweep")}
 SHORT_NAMES = {"int4_per_token_head": "int4", "int8_per_token_head": "int8",
                "fp8_per_token_head": "fp8", "auto": "auto"}
+
+
+def hold_seconds(series_host_s: float) -> float:
+    """How long hold_stream sleeps ahead of a series that takes the host series_host_s to issue."""
+    return min(MAX_HOLD_S, max(MIN_HOLD_S, HOLD_MARGIN * series_host_s))
 
 
 # --- shapes and cases -----------------------------------------------------

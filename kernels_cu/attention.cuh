@@ -79,14 +79,15 @@
 #endif
 
 // Diagnostics (tools/decode_trace.py; the launcher never sets it): KVC_TRACE = N
-// gives the module a table of N blocks x kTraceMarks global-timer stamps (ns),
-// written by thread 0 of the first N blocks at their milestones (trace_mark).
+// gives the module a table of N blocks x KVC_TRACE_MARKS global-timer stamps
+// (ns), written by thread 0 of the first N blocks at their milestones (trace_mark).
 #ifndef KVC_TRACE
 #define KVC_TRACE 0
 #endif
+#define KVC_TRACE_MARKS 16   // tools/decode_trace.py: MARKS
 #if KVC_TRACE
 extern "C" {
-__device__ unsigned long long kvc_trace[KVC_TRACE * 16];
+__device__ unsigned long long kvc_trace[KVC_TRACE * KVC_TRACE_MARKS];
 }
 #endif
 
@@ -102,21 +103,28 @@ using kvc::unpack_half2;
 
 enum { KV_INT4 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_F16 = 3, KV_BF16 = 4 };
 
-// Trace marks (KVC_TRACE): 0 start, 1 loop entry, 2 first tile in, 3 loop exit,
-// 4 done, 5 the multiprocessor's id, 6 and 7 half and three quarters of the
-// tiles in; in the prologue 8 the first pages' ids in, 9 the first copies
-// issued, 10 the query rotated (the merge: 0 start, 4 done, 5 id).
-constexpr int kTraceMarks = 16;
-__device__ __forceinline__ void trace_mark(int mark) {
+// Trace marks (KVC_TRACE), in tools/decode_trace.py's order; the merge stamps
+// kTraceStart, kTraceDone and kTraceSm.
+enum TraceMark {
+  kTraceStart, kTraceLoop, kTraceFirstTile, kTraceLoopExit, kTraceDone,
+  kTraceSm,                           // not a time: the multiprocessor's id
+  kTraceHalf, kTraceThreeQuarters,    // half and three quarters of the tiles in
+  kTracePageIds, kTraceCopiesOut, kTraceQueryReady   // the prologue's steps
+};
+__device__ __forceinline__ void trace_mark(TraceMark mark) {
 #if KVC_TRACE
   if (threadIdx.x != 0) return;
   const long long block = blockIdx.x + static_cast<long long>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
   if (block >= KVC_TRACE) return;
   unsigned long long stamp;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(stamp));
-  if (mark == 5) asm volatile("mov.u32 %0, %%smid;" : "=r"(*reinterpret_cast<unsigned*>(&stamp)));
-  if (mark == 5) stamp &= 0xffffffffull;
-  kvc_trace[block * kTraceMarks + mark] = stamp;
+  if (mark == kTraceSm) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    stamp = sm;
+  } else {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(stamp));
+  }
+  kvc_trace[block * KVC_TRACE_MARKS + mark] = stamp;
 #endif
 }
 
@@ -943,8 +951,8 @@ struct Attention {
 
   static __device__ void run(const Params& p, int block_shift) {
     extern __shared__ __align__(16) u8 smem[];
-    trace_mark(0);
-    trace_mark(5);
+    trace_mark(kTraceStart);
+    trace_mark(kTraceSm);
     // Score product S^T[token, column] = K[token, :] . Q^T[:, column] per quad of
     // 4 query rows: column 2r + part is row r's high (part 0) or low (part 1)
     // fp16 half, so thread (g, t) ends with the scores of row t, tokens g and
@@ -1012,7 +1020,7 @@ struct Attention {
     if (KVC_STAGING != KVC_STAGE_BULK || warp == 0) window = first_window(p, table, key_lo, key_hi, block_shift);
     if (KVC_TRACE) {
       asm volatile("" ::"r"(window.current));   // the stamp waits for the ids
-      trace_mark(8);
+      trace_mark(kTracePageIds);
     }
     if (own_query) {
       rotate_query_quad(p, query_bits, query_rows);
@@ -1058,7 +1066,7 @@ struct Attention {
       }
     }
 
-    trace_mark(9);
+    trace_mark(kTraceCopiesOut);
     // Query fragments: lane (g, t) holds column g of each quad, i.e. the high
     // (g even) or low (g odd) fp16 part of row g / 2. Per row: row_unscale,
     // offset_weight and zero_point_weight (what the products' code offsets add
@@ -1128,7 +1136,7 @@ struct Attention {
     }
 
     // Every warp is done with its query rows before copies land there (tile 0's loop).
-    trace_mark(10);
+    trace_mark(kTraceQueryReady);
     if (own_query) __syncthreads();
 
     // Extremes over the tile's valid rows (the same in every lane): masks can be
@@ -1173,7 +1181,7 @@ struct Attention {
     }
     float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
-    trace_mark(1);
+    trace_mark(kTraceLoop);
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int next = tile + STAGES - 1;   // the tile whose copies go out with this one
       const int next_base = key_lo + next * TILE;
@@ -1200,9 +1208,9 @@ struct Attention {
         }
         cp_async_commit();   // (an empty group at the end keeps wait_group's count in step)
       }
-      if (tile == 0) trace_mark(2);
-      if (tile == num_tiles / 2) trace_mark(6);
-      if (tile == 3 * num_tiles / 4) trace_mark(7);
+      if (tile == 0) trace_mark(kTraceFirstTile);
+      if (tile == num_tiles / 2) trace_mark(kTraceHalf);
+      if (tile == 3 * num_tiles / 4) trace_mark(kTraceThreeQuarters);
       const int base = key_lo + tile * TILE;
       const u8* keys = smem + (tile % STAGES) * T::kStageBytes + warp * T::kRowBytes;
       const u8* values = keys + T::kKeyBytes;
@@ -1425,7 +1433,7 @@ struct Attention {
       }
     }
     cp_async_wait<0>();
-    trace_mark(3);
+    trace_mark(kTraceLoopExit);
 
     // Partial state of this split: max and sum per row (lanes g == 0), and the
     // accumulators times R in the cache's channel order.
@@ -1460,7 +1468,7 @@ struct Attention {
         }
       }
     }
-    trace_mark(4);
+    trace_mark(kTraceDone);
   }
 };
 
@@ -1486,8 +1494,8 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
                              const u32* signs, int sign_shift, float out_factor) {
   __shared__ float weights[kMergeWarps][kMergeMaxSplits];
   __shared__ float partial[kMergeWarps][32 * kMergeSlots];
-  trace_mark(0);
-  trace_mark(5);
+  trace_mark(kTraceStart);
+  trace_mark(kTraceSm);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int phase = warp & (split_warps - 1);   // < num_splits (host)
   const long long rows = static_cast<long long>(num_tokens) * num_heads;
@@ -1573,7 +1581,7 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
     const int c = lane + 32 * k;
     if (c < head_size) out[row * static_cast<long long>(head_size) + c] = kvc::from_float<OUT>(merged[k]);
   }
-  trace_mark(4);
+  trace_mark(kTraceDone);
 }
 
 }  // namespace kvc_attn

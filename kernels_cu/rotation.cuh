@@ -453,7 +453,7 @@ __device__ __forceinline__ void exact_rotation(const float (&x)[Layout::kValues]
         y[i] = __int2float_rn(int(n[i]));
         if (SCALED) y[i] = __fmul_rn(y[i], unit);
     }
-    if (!SCALED) {
+    if (!SCALED && extremes != nullptr) {
         int lo = int(n[0]), hi = int(n[0]);
 #pragma unroll
         for (int i = 1; i < Layout::kValues; i += 2) {

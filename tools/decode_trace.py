@@ -30,7 +30,7 @@ from kvcupy.backends import cuda_attention
 from decode_variants import DEFAULT_SHAPE, decode_case   # tools/, beside this script
 
 TRACE_BLOCKS = 16384
-MARKS = 16           # attention.cuh: kTraceMarks
+MARKS = 16           # attention.cuh: KVC_TRACE_MARKS, its TraceMark order below
 START, LOOP, FIRST_TILE, LOOP_EXIT, DONE, SM, HALF, THREE_QUARTERS, PAGE_IDS, COPIES_OUT, QUERY_READY = range(11)
 
 

@@ -477,6 +477,7 @@ class Plan:
     split_tokens: int
     head_groups: int
     workspace: dict = field(default_factory=dict)
+    strides: dict = field(default_factory=dict)
     functions: dict = field(default_factory=dict)
     rotations: dict = field(default_factory=dict)
 
@@ -590,11 +591,16 @@ def _buffer(plan: Plan, name: str, shape: tuple, device):
     return plan.workspace[key]
 
 
-def _strides(cache) -> list:
-    """Byte strides (block, slot, head) of K, V and their scales: twelve kernel arguments."""
-    scales = (cache.k_scale_cache, cache.v_scale_cache) if cache.k_scale_cache is not None else (
-        cache.key_cache, cache.value_cache)
-    return [np.int64(s) for a in (cache.key_cache, cache.value_cache) + scales for s in a.strides[:3]]
+def _strides(plan: Plan, cache) -> tuple:
+    """Byte strides (block, slot, head) of K, V and their scales: twelve kernel arguments,
+    worked out once per cache (a layer's call then only passes them)."""
+    key = id(cache.key_cache), id(cache.k_scale_cache)
+    if key not in plan.strides:
+        scales = (cache.k_scale_cache, cache.v_scale_cache) if cache.k_scale_cache is not None else (
+            cache.key_cache, cache.value_cache)
+        values = tuple(np.int64(s) for a in (cache.key_cache, cache.value_cache) + scales for s in a.strides[:3])
+        plan.strides[key] = (values, cache)   # the cache kept alive: its ids stay its own
+    return plan.strides[key][0]
 
 
 def _pair_aligned(array) -> bool:
@@ -734,7 +740,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             (query_rows if query_rows is not None else null, cache.key_cache, cache.value_cache,
              cache.k_scale_cache if has_scales else cache.key_cache,
              cache.v_scale_cache if has_scales else cache.value_cache,
-             *_strides(cache), table, arrays["seq_lens"], arrays["cu_seqlens_q"], plan.tiles,
+             *_strides(plan, cache), table, arrays["seq_lens"], arrays["cu_seqlens_q"], plan.tiles,
              part_out if part_out is not None else null, part_stats if part_stats is not None else null,
              np.int32(num_tokens), np.int32(num_heads),
              np.int32(num_heads // cache.num_kv_heads), np.int32(head_size),
