@@ -52,6 +52,14 @@ struct Fetched {
     Words<kInputRunBytes> runs[Layout::kRows];
 };
 
+// The forward rotation's initial signs (rotation.cuh). 16-bit inputs in their
+// given order hold them as masks on the raw words: one xor a word, where a
+// sign bit a value cost a shift and a xor after its conversion. A read_order
+// permutes the values first, and float32 inputs take the float64 path: those
+// read them as bits for each row, as before.
+constexpr bool kWordSigns = kInputSize == 2 && !KVC_ORDERS;
+using Signs = LaneSigns<Layout, kWordSigns, kWordSigns>;
+
 __device__ __forceinline__ void fetch(const RotateParams& p, i64 row, int rank, Fetched& f) {
     const Input* source = p.x + row * p.x_row_stride;
 #pragma unroll
@@ -67,18 +75,15 @@ constexpr float kLargestFinite = 3.40282347e38f;
 
 // y = the rotation of x (the lane's values, initial layout) divided as p says, final layout.
 // runs: the lane's raw inputs (their order aside, the same values as x's).
+// signs: the forward signs not yet applied to x (none for the inverse).
 __device__ __forceinline__ void transformed(const RotateParams& p, const Group& group,
                                             const Words<kInputRunBytes> (&runs)[Layout::kRows],
-                                            float (&x)[Layout::kValues], float (&y)[Layout::kValues]) {
+                                            const Signs& lane_signs, float (&x)[Layout::kValues],
+                                            float (&y)[Layout::kValues]) {
     constexpr int C = Layout::kColumns;
 #if KVC_ROTATE
     u32 signs[Layout::kRows];
-    if (p.inverse) {
-#pragma unroll
-        for (int a = 0; a < Layout::kRows; ++a) signs[a] = 0u;   // applied after the transform
-    } else {
-        initial_signs<Layout>(p.rotation, group.rank, signs);
-    }
+    lane_signs.bits(signs);
     if constexpr (kExact) {
         // The reciprocal of a power-of-two divisor folds into the grid's unit;
         // a product below float32's normal range, or another divisor, takes float64.
@@ -128,13 +133,15 @@ __device__ __forceinline__ void transformed(const RotateParams& p, const Group& 
 
 // staged: this group's slice of shared memory (KVC_ORDERS only).
 __device__ __forceinline__ void rotate_row(const RotateParams& p, i64 row, const Group& group, const Fetched& f,
-                                           float* staged) {
+                                           const Signs& signs, float* staged) {
     constexpr int C = Layout::kColumns;
     constexpr int R = Layout::kRun;
+    Fetched signed_f = f;
+    signs.apply(signed_f.runs);
     float x[Layout::kValues];
 #pragma unroll
     for (int i = 0; i < Layout::kValues; ++i)
-        x[i] = Scalar<Input>::to_float(element_bits<kInputSize>(f.runs[i / C], i % C));
+        x[i] = Scalar<Input>::to_float(element_bits<kInputSize>(signed_f.runs[i / C], i % C));
 #if KVC_ORDERS
     if (p.read_order != nullptr) {
 #pragma unroll
@@ -149,7 +156,7 @@ __device__ __forceinline__ void rotate_row(const RotateParams& p, i64 row, const
 #endif
 
     float y[Layout::kValues];
-    transformed(p, group, f.runs, x, y);
+    transformed(p, group, f.runs, signs, x, y);
 
 #if KVC_ORDERS
     if (p.write_order != nullptr) {
@@ -220,13 +227,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocks) rotate_rows(
     const i64 stride = i64(gridDim.x) * kGroupsPerBlock;
     i64 row = i64(blockIdx.x) * kGroupsPerBlock + threadIdx.x / Layout::kLanes;
     if (row >= num_rows) return;
+    const Signs signs(p.rotation, group.rank, KVC_ROTATE != 0 && !p.inverse);   // the inverse's come after
     Fetched current, next;
     fetch(p, row, group.rank, current);
     for (;;) {
         const i64 following = row + stride;
         const bool more = following < num_rows;   // the same for the whole group
         if (more) fetch(p, following, group.rank, next);
-        rotate_row(p, row, group, current, staged);
+        rotate_row(p, row, group, current, signs, staged);
         if (!more) break;
         current = next;
         row = following;

@@ -208,11 +208,12 @@ __device__ __forceinline__ void final_signs(const u32* __restrict__ words, int r
 // (bits 15 and 31: the word's two elements), applied to the raw runs before
 // conversion (flipping a 16-bit sign bit is exactly a negation of the
 // converted value); otherwise they are sign bits per row, applied by widen.
-// `active` false: no signs (no rotation). The write kernel holds them; the
-// rotate kernel reads them per row (holding them cost it half its warps).
-template <class Layout, bool ON_WORDS>
+// `active` false: no signs (no rotation). HOLD false: read for each vector
+// whatever the lane's length (the rotate kernel's float32 inputs and read
+// orders, whose held bits cost it registers it spills).
+template <class Layout, bool ON_WORDS, bool HOLD = true>
 struct LaneSigns {
-    static constexpr bool kHeld = Layout::kValues <= 32;
+    static constexpr bool kHeld = HOLD && Layout::kValues <= 32;
     static constexpr bool kPerWord = kHeld && ON_WORDS && Layout::kColumns % 2 == 0;
     static constexpr int kRunWords = Layout::kColumns / 2;   // 16-bit elements, two a word
     const u32* rotation;

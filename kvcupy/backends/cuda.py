@@ -230,7 +230,11 @@ def _rotation_on(plan: RotationPlan | None, device_index: int) -> cupy.ndarray:
 # values a lane (a version that traded lane bits through shared memory):
 # int4 0.31 / 0.24, rotate d = 128 0.71 / 0.62. rotate at 4
 # blocks from d = 128 (0.80 / 0.75 at d = 128 / 256 against 0.78 / 0.72 at
-# 1), but 1 below (d = 64: 0.846 against 0.788 at 4).
+# 1), but fewer below (d = 64: 0.846 at 1 against 0.788 at 4). Since rotate
+# holds its signs as word masks (rotate.cu, Signs), d = 64 needs 181 registers
+# uncapped (2 blocks a multiprocessor: 0.78 of copy) and 164 at 3 blocks (0.875,
+# as before the masks; the same run: d = 256 0.784 / 0.789 against 0.775 / 0.784
+# without the masks, d = 96 and 128 unchanged).
 WRITE_LANE_VALUES = 32           # quantized caches
 WRITE_MIN_BLOCKS = 4
 WRITE_KRON_LANE_VALUES = 16
@@ -242,7 +246,7 @@ ROTATE_WIDE_MAX_HEAD = 160
 ROTATE_NARROW_LANE_VALUES = 32
 WIDEN_BY_BITS = False
 WRITE_THREADS = 128
-ROTATE_MIN_BLOCKS = 1
+ROTATE_MIN_BLOCKS = 3
 ROTATE_LONG_MIN_BLOCKS = 4       # head sizes from ROTATE_LONG_HEAD up
 ROTATE_LONG_HEAD = 128
 
