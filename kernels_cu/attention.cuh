@@ -104,12 +104,17 @@ using kvc::unpack_half2;
 enum { KV_INT4 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_F16 = 3, KV_BF16 = 4 };
 
 // Trace marks (KVC_TRACE), in tools/decode_trace.py's order; the merge stamps
-// kTraceStart, kTraceDone and kTraceSm.
+// kTraceStart, kTraceDone and kTraceSm. The prefill kernel (prefill.cuh,
+// tools/prefill_trace.py) stamps the first five, kTraceSm, kTraceCopiesOut
+// and kTraceQueryReady, and its own three in the decode kernel's slots 6-8.
 enum TraceMark {
   kTraceStart, kTraceLoop, kTraceFirstTile, kTraceLoopExit, kTraceDone,
   kTraceSm,                           // not a time: the multiprocessor's id
   kTraceHalf, kTraceThreeQuarters,    // half and three quarters of the tiles in
-  kTracePageIds, kTraceCopiesOut, kTraceQueryReady   // the prologue's steps
+  kTracePageIds, kTraceCopiesOut, kTraceQueryReady,   // the prologue's steps
+  // prefill: the rows normalised before the inverse rotation, the first tile
+  // landed, the query rotated in registers
+  kTraceOutputNormalised = kTraceHalf, kTraceFirstLanded = kTraceThreeQuarters, kTraceQueryRotated = kTracePageIds
 };
 __device__ __forceinline__ void trace_mark(TraceMark mark) {
 #if KVC_TRACE

@@ -631,6 +631,7 @@ struct Prefill {
     }
     // The inverse rotation: the Sylvester factor across groups first, then the products.
     butterflies_across_groups(out, p.rotation_stages);
+    trace_mark(kTraceOutputNormalised);
     rotate_rows(out, fragments, p.rotation_shift, 0, true, p.out_factor, [&](int n, const float (&y)[4]) {
       const int channel = 8 * n + 2 * t;
 #pragma unroll
@@ -659,6 +660,8 @@ struct Prefill {
     const int seq = p.tiles[2 * blockIdx.y], row_tile = p.tiles[2 * blockIdx.y + 1];
     const int kv_head = blockIdx.z;
     const int split = blockIdx.x;
+    trace_mark(kTraceStart);
+    trace_mark(kTraceSm);
 
     const int q_begin = p.cu_seqlens_q[seq];
     const int q_len = p.cu_seqlens_q[seq + 1] - q_begin;
@@ -719,6 +722,7 @@ struct Prefill {
       }
       cp_async_commit();
     }
+    trace_mark(kTraceCopiesOut);
     // The query rows as the score product's A operand, high and low fp16 halves
     // in this warp's part of shared memory ([part][row][logical dim], rows
     // padded like decoded ones), read back with ldmatrix once per tile: held in
@@ -732,6 +736,7 @@ struct Prefill {
     {
       float values[KC][2][2][2];   // [kc][h][r][j]
       load_query(p, q_begin, row_begin, kv_head, row_valid, smem + STAGES * kStageBytes + kDecodedBytes, values);
+      trace_mark(kTraceQueryRotated);
       float largest[2] = {0.f, 0.f};
 #pragma unroll
       for (int kc = 0; kc < KC; ++kc)
@@ -767,6 +772,7 @@ struct Prefill {
       if constexpr (WGMMA) fence_proxy_async();   // read by wgmma after the loop's first barrier
       __syncwarp();
     }
+    trace_mark(kTraceQueryReady);
     const float exp_scale[2] = {row_unscale[0] * kLog2e, row_unscale[1] * kLog2e};
     // ldmatrix addresses of this lane: Q matrices rows 0-7 / 8-15 x dims +0 / +8.
     const u8* const query_lane = query_rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kDecodedStride + 16 * (lane >> 4);
@@ -783,11 +789,14 @@ struct Prefill {
     if (kQuantized && num_tiles > 0) {
       cp_async_wait<STAGES - 1>();
       __syncthreads();
+      trace_mark(kTraceFirstLanded);
       decode_tile(smem, decoded);
     }
+    trace_mark(kTraceLoop);
     for (int tile = 0; tile < num_tiles; ++tile) {
       cp_async_wait<STAGES - 2>();   // quantized: tile + 1 landed; plain: tile
       __syncthreads();
+      if (tile == 1) trace_mark(kTraceFirstTile);   // tile 0's products issued and its softmax done
       const int next = tile + kAhead;
       if (next < num_tiles) {
         const int next_base = key_lo + next * TILE;
@@ -954,10 +963,12 @@ struct Prefill {
       kvc_wgmma::hold(out);
     }
     cp_async_wait<0>();
+    trace_mark(kTraceLoopExit);
 
     if (p.direct) {
       write_output(p, out, running_max, running_sum, reference, row_unscale, q_begin, row_begin, kv_head, row_valid,
                    smem + STAGES * kStageBytes + kDecodedBytes);
+      trace_mark(kTraceDone);
       return;
     }
     // Partial state of this split: max and sum per row, the accumulators times R.
@@ -979,6 +990,7 @@ struct Prefill {
         }
       }
     }
+    trace_mark(kTraceDone);
   }
 };
 
