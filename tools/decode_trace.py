@@ -44,6 +44,19 @@ def traced_tables(defines_key: str) -> list:
     return found
 
 
+def idle_call_us(call) -> float:
+    """Microseconds of one call() on an idle GPU (CUDA events), after five warm-up calls."""
+    for _ in range(5):
+        call()
+    cupy.cuda.Device().synchronize()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) * 1e3
+
+
 def percentiles(values: np.ndarray) -> dict:
     return {f"p{q}": round(float(np.percentile(values, q)), 2) for q in (0, 10, 50, 90, 100)} if len(values) else {}
 
@@ -61,15 +74,7 @@ def main() -> None:
     batch = kc.plan_batch(block_table=case["table"], seq_lens=np.full(shape["batch"], shape["context"], np.int32),
                           block_size=shape["block_size"], num_blocks=case["pages"])
     out = cupy.empty_like(case["query"])
-    for _ in range(5):
-        kc.paged_attention(case["query"], case["cache"], batch=batch, out=out)
-    cupy.cuda.Device().synchronize()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    kc.paged_attention(case["query"], case["cache"], batch=batch, out=out)
-    end.record()
-    end.synchronize()
-    call_us = cupy.cuda.get_elapsed_time(start, end) * 1e3
+    call_us = idle_call_us(lambda: kc.paged_attention(case["query"], case["cache"], batch=batch, out=out))
     (plan,) = batch._backend_plans.values()
 
     tables = {("merge" if any("KVC_OUT_T" in f for f in flags) else "attention"): table

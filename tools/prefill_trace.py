@@ -30,7 +30,7 @@ import numpy as np
 
 import kvcupy as kc
 from kvcupy import jit
-from decode_trace import MARKS, percentiles   # tools/, beside this script
+from decode_trace import MARKS, idle_call_us, percentiles   # tools/, beside this script
 from prefill_variants import make_case, with_variant
 
 TRACE_BLOCKS = 16384
@@ -50,19 +50,8 @@ def main() -> None:
                           cu_seqlens_q=np.arange(sequences + 1, dtype=np.int32) * new_tokens,
                           block_size=16, num_blocks=case["pages"])
     out = cupy.empty_like(case["query"])
-
-    def run():
-        for _ in range(5):
-            kc.paged_attention(case["query"], case["cache"], batch=batch, out=out)
-        cupy.cuda.Device().synchronize()
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        kc.paged_attention(case["query"], case["cache"], batch=batch, out=out)
-        end.record()
-        end.synchronize()
-        return cupy.cuda.get_elapsed_time(start, end) * 1e3
-
-    call_us = with_variant(variant, run)
+    call_us = with_variant(variant, lambda: idle_call_us(
+        lambda: kc.paged_attention(case["query"], case["cache"], batch=batch, out=out)))
     (plan,) = batch._backend_plans.values()
     tables = [module.get_global("kvc_trace") for key, module in jit._modules.items()
               if any("KVC_TRACE" in flag for flag in key[3]) and any("KVC_PREFILL_KV" in flag for flag in key[3])]
