@@ -104,9 +104,9 @@ using kvc::unpack_half2;
 enum { KV_INT4 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_F16 = 3, KV_BF16 = 4 };
 
 // Trace marks (KVC_TRACE), in tools/decode_trace.py's order; the merge stamps
-// kTraceStart, kTraceDone and kTraceSm. The prefill kernel (prefill.cuh,
-// tools/prefill_trace.py) stamps the first five, kTraceSm, kTraceCopiesOut
-// and kTraceQueryReady, and its own three in the decode kernel's slots 6-8.
+// kTraceStart, kTraceDone and kTraceSm; the prefill kernel (prefill.cuh,
+// tools/prefill_trace.py) the first six, kTraceCopiesOut, kTraceQueryReady
+// and its own last three.
 enum TraceMark {
   kTraceStart, kTraceLoop, kTraceFirstTile, kTraceLoopExit, kTraceDone,
   kTraceSm,                           // not a time: the multiprocessor's id
@@ -114,7 +114,7 @@ enum TraceMark {
   kTracePageIds, kTraceCopiesOut, kTraceQueryReady,   // the prologue's steps
   // prefill: the rows normalised before the inverse rotation, the first tile
   // landed, the query rotated in registers
-  kTraceOutputNormalised = kTraceHalf, kTraceFirstLanded = kTraceThreeQuarters, kTraceQueryRotated = kTracePageIds
+  kTraceOutputNormalised, kTraceFirstLanded, kTraceQueryRotated
 };
 __device__ __forceinline__ void trace_mark(TraceMark mark) {
 #if KVC_TRACE

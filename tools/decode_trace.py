@@ -32,6 +32,7 @@ from decode_variants import DEFAULT_SHAPE, decode_case   # tools/, beside this s
 TRACE_BLOCKS = 16384
 MARKS = 16           # attention.cuh: KVC_TRACE_MARKS, its TraceMark order below
 START, LOOP, FIRST_TILE, LOOP_EXIT, DONE, SM, HALF, THREE_QUARTERS, PAGE_IDS, COPIES_OUT, QUERY_READY = range(11)
+OUTPUT_NORMALISED, FIRST_LANDED, QUERY_ROTATED = range(11, 14)   # the prefill kernel's own (prefill_trace.py)
 
 
 def traced_tables(defines_key: str) -> list:

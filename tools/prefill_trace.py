@@ -29,14 +29,10 @@ import cupy
 import numpy as np
 
 import kvcupy as kc
-from kvcupy import jit
-from decode_trace import MARKS, idle_call_us, percentiles   # tools/, beside this script
+from decode_trace import (COPIES_OUT, DONE, FIRST_LANDED, FIRST_TILE, LOOP, LOOP_EXIT, OUTPUT_NORMALISED,  # tools/
+                          QUERY_READY, QUERY_ROTATED, SM, START, TRACE_BLOCKS, idle_call_us, percentiles,
+                          traced_tables)
 from prefill_variants import make_case, with_variant
-
-TRACE_BLOCKS = 16384
-START, LOOP, FIRST_TILE, LOOP_EXIT, DONE, SM = range(6)
-# attention.cuh's TraceMark order (prefill.cuh's own three share the decode kernel's slots 6-8)
-OUTPUT_NORMALISED, FIRST_LANDED, QUERY_ROTATED, COPIES_OUT, QUERY_READY = 6, 7, 8, 9, 10
 
 
 def main() -> None:
@@ -53,9 +49,7 @@ def main() -> None:
     call_us = with_variant(variant, lambda: idle_call_us(
         lambda: kc.paged_attention(case["query"], case["cache"], batch=batch, out=out)))
     (plan,) = batch._backend_plans.values()
-    tables = [module.get_global("kvc_trace") for key, module in jit._modules.items()
-              if any("KVC_TRACE" in flag for flag in key[3]) and any("KVC_PREFILL_KV" in flag for flag in key[3])]
-    table = cupy.ndarray((TRACE_BLOCKS, MARKS), np.uint64, tables[0]).get()
+    (table,) = [table for flags, table in traced_tables("KVC_TRACE") if any("KVC_PREFILL_KV" in f for f in flags)]
     stamps = table[table[:, START] > 0]
     origin = stamps[:, START].min()
 
