@@ -35,7 +35,17 @@ namespace kvc {
 // a transform (ROTATED false), or with SWAPS false (every cross stage
 // exchanges all values: the exact integer path's choice, see exact_rotation),
 // nothing moves: the final layout is the initial one.
-template <int HEAD_SIZE, int POW2, int ROWS, int COLUMNS, bool ROTATED = true, bool SWAPS = true>
+//
+// CHUNK < COLUMNS (layouts without swaps only) spreads a lane's columns
+// instead: chunks of CHUNK consecutive columns, chunk j of lane `rank` at
+// column j * CHUNK * kLanes + rank * CHUNK (column()). A group's lanes then lie
+// side by side in memory, so that a load or store instruction covers whole
+// lines where runs of COLUMNS apart made it touch a sector of each of 4x the
+// lines. The butterflies pair the same values either way: the lane bits are
+// column bits log2 CHUNK.. instead of the top ones, the slot bits the rest,
+// and a Sylvester transform is the same product of H_2 over every bit.
+template <int HEAD_SIZE, int POW2, int ROWS, int COLUMNS, bool ROTATED = true, bool SWAPS = true,
+          int CHUNK = COLUMNS>
 struct RotationLayout {
     static constexpr int kHeadSize = HEAD_SIZE;
     static constexpr int kPow2 = POW2;
@@ -55,6 +65,17 @@ struct RotationLayout {
     static_assert(COLUMNS <= POW2 && COLUMNS <= 32, "columns per lane <= min(pow2, 32)");
     static_assert(kLanes <= 32, "a vector spans at most one warp");
     static_assert(kRun >= 2 || COLUMNS == 1, "an int4 byte's two values stay in one lane, or in lanes 2i, 2i+1");
+    static constexpr int kChunk = CHUNK;
+    static_assert(is_pow2(CHUNK) && CHUNK <= COLUMNS && (CHUNK == COLUMNS || kSwaps == 0),
+                  "chunks: a power of two, in layouts without swaps");
+    // The final layout as pieces of consecutive columns: the runs, or the chunks.
+    static constexpr int kPiece = CHUNK < COLUMNS ? CHUNK : kRun;
+    static constexpr int kPiecesPerRow = COLUMNS / kPiece;
+
+    // Column (within its row) of slot `slot` (0 .. COLUMNS-1) of lane `rank`, initial layout.
+    static __device__ __forceinline__ int column(int rank, int slot) {
+        return (slot / CHUNK) * (CHUNK * kLanes) + rank * CHUNK + slot % CHUNK;
+    }
 
     // First column (within its row) of run t (0 .. kRunsPerRow-1) of lane `rank`, final layout.
     static __device__ __forceinline__ int final_column(int rank, int t) {
@@ -70,6 +91,11 @@ struct RotationLayout {
             }
         }
         return column;
+    }
+
+    // First column of piece q (0 .. kPiecesPerRow-1) of lane `rank`, final layout.
+    static __device__ __forceinline__ int final_piece_column(int rank, int q) {
+        return CHUNK < COLUMNS ? column(rank, q * CHUNK) : final_column(rank, q);
     }
 };
 
@@ -100,8 +126,11 @@ __device__ __forceinline__ u32 sign_bits(const u32* __restrict__ words, int firs
 template <class Layout, class Group>
 __device__ __forceinline__ void hadamard_rows(double (&v)[Layout::kValues], const Group& group) {
     constexpr int C = Layout::kColumns;
-#pragma unroll
-    for (int h = 1; h < C; h *= 2) {
+    // The CPU's order of stages, column bit 0 first: with chunks (rotation.cuh,
+    // RotationLayout) the slot bits below log2 kChunk, then the lane bits, then
+    // the slot bits above. The order changes no exact sum, but float64's
+    // roundings and the signs of exact zeros follow it.
+    const auto local_stage = [&](int h) {
 #pragma unroll
         for (int a = 0; a < Layout::kRows; ++a) {
 #pragma unroll
@@ -112,7 +141,9 @@ __device__ __forceinline__ void hadamard_rows(double (&v)[Layout::kValues], cons
                 v[a * C + s + h] = __dsub_rn(x, y);
             }
         }
-    }
+    };
+#pragma unroll
+    for (int h = 1; h < Layout::kChunk; h *= 2) local_stage(h);
 #pragma unroll
     for (int k = 0; k < Layout::kSwaps; ++k) {
         const int b = 1 << (Layout::kColumnBits - 1 - k);   // the column bit traded for lane bit k
@@ -145,6 +176,8 @@ __device__ __forceinline__ void hadamard_rows(double (&v)[Layout::kValues], cons
             v[i] = __dadd_rn(negate_if(v[i], upper), received);
         }
     }
+#pragma unroll
+    for (int h = Layout::kChunk; h < C; h *= 2) local_stage(h);
 }
 
 // The kron mix: row r becomes sum_a M[r][a] * row_a, summed a = 0, 1, ... from
@@ -182,9 +215,15 @@ __device__ __forceinline__ void mix_rows(double (&v)[Layout::kValues], const u32
 // final layout (inverse), one bit per slot, slot order.
 template <class Layout>
 __device__ __forceinline__ void initial_signs(const u32* __restrict__ words, int rank, u32 (&bits)[Layout::kRows]) {
+    constexpr int K = Layout::kChunk;
 #pragma unroll
-    for (int a = 0; a < Layout::kRows; ++a)
-        bits[a] = sign_bits(words, a * Layout::kPow2 + rank * Layout::kColumns, Layout::kColumns);
+    for (int a = 0; a < Layout::kRows; ++a) {
+        u32 row = 0;
+#pragma unroll
+        for (int j = 0; j < Layout::kColumns / K; ++j)
+            row |= sign_bits(words, a * Layout::kPow2 + Layout::column(rank, j * K), K) << (j * K);
+        bits[a] = row;
+    }
 }
 
 template <class Layout>
@@ -193,9 +232,9 @@ __device__ __forceinline__ void final_signs(const u32* __restrict__ words, int r
     for (int a = 0; a < Layout::kRows; ++a) {
         u32 row = 0;
 #pragma unroll
-        for (int t = 0; t < Layout::kRunsPerRow; ++t)
-            row |= sign_bits(words, a * Layout::kPow2 + Layout::final_column(rank, t), Layout::kRun)
-                   << (t * Layout::kRun);
+        for (int q = 0; q < Layout::kPiecesPerRow; ++q)
+            row |= sign_bits(words, a * Layout::kPow2 + Layout::final_piece_column(rank, q), Layout::kPiece)
+                   << (q * Layout::kPiece);
         bits[a] = row;
     }
 }
