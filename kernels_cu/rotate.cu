@@ -22,10 +22,13 @@ constexpr bool kExact = KVC_ROTATE && !KVC_KRON && SignificantBits<Input>::value
 // chunks of input where a group has several lanes (rotation.cuh): a group's
 // loads and stores then cover whole lines. H200, 2^20 fp16 vectors, against
 // runs of 32 columns a lane in one process, fraction of copy bandwidth:
-// d = 128 0.92 vs 0.82, d = 256 0.91 vs 0.79, d = 64 0.88 vs 0.87.
+// d = 128 0.92 vs 0.83, d = 256 0.92 vs 0.79, d = 64 0.89 vs 0.88. Heads of
+// several rows keep their runs: d = 96 (three rows of 32, two lanes) ran at
+// 0.80 chunked against 0.82.
 constexpr int kChunkColumns = 16 / sizeof(typename Scalar<Input>::Bits);
-constexpr int kChunk =
-    kExact && kChunkColumns < KVC_COLUMNS && KVC_COLUMNS < KVC_POW2 ? kChunkColumns : KVC_COLUMNS;
+constexpr int kChunk = kExact && KVC_ROWS == 1 && kChunkColumns < KVC_COLUMNS && KVC_COLUMNS < KVC_POW2
+                           ? kChunkColumns
+                           : KVC_COLUMNS;
 using Layout = RotationLayout<KVC_HEAD_SIZE, KVC_POW2, KVC_ROWS, KVC_COLUMNS, KVC_ROTATE != 0, !kExact, kChunk>;
 using Group = LaneGroup<Layout::kLanes>;
 
