@@ -12,6 +12,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
   "rotation":   the caches' rotation kind (default "none"; the bench's caches use "blockdiag")
   "min_rows":   query rows a sequence (per KV head) from which the planner takes the
                 prefill kernel (cuda_attention.PREFILL_MIN_ROWS; fewer: the decode kernel's row tiles)
+  "splits":     the keys' splits a sequence, forced (else choose_prefill_splits decides)
+  "split_gain": choose_prefill_splits' PREFILL_SPLIT_GAIN (the modelled gain more splits must promise)
 SHAPES is a JSON list of [sequences, context, new tokens] (default [[4, 8192, 8192]]:
 the prefill target's causal prompt; [4, 32768, 2048] is its chunked prefill, 2048
 new tokens over 30720 cached). 32 query / 8 KV heads, d = 128 (or "head_size"
@@ -84,8 +86,12 @@ def with_variant(variant: dict, run):
     """run() with the variant's planner constants, defines and sources, restored after."""
     saved = (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS, cuda_attention.PREFILL_WARPS,
              cuda_attention.PREFILL_WGMMA_WARPS, cuda_attention.PrefillKernel.defines,
-             cuda_attention.PREFILL_WGMMA, os.environ.get(jit.SOURCE_DIR_ENV), cuda_attention.PREFILL_MIN_ROWS)
+             cuda_attention.PREFILL_WGMMA, os.environ.get(jit.SOURCE_DIR_ENV), cuda_attention.PREFILL_MIN_ROWS,
+             cuda_attention.choose_prefill_splits, cuda_attention.PREFILL_SPLIT_GAIN)
     plain_defines = saved[4].fget
+    if "splits" in variant:
+        cuda_attention.choose_prefill_splits = lambda *args: variant["splits"]
+    cuda_attention.PREFILL_SPLIT_GAIN = variant.get("split_gain", cuda_attention.PREFILL_SPLIT_GAIN)
     cuda_attention.PREFILL_MIN_ROWS = variant.get("min_rows", cuda_attention.PREFILL_MIN_ROWS)
     cuda_attention.PREFILL_TILE = variant.get("tile", cuda_attention.PREFILL_TILE)
     cuda_attention.PREFILL_MIN_BLOCKS = variant.get("min_blocks", cuda_attention.PREFILL_MIN_BLOCKS)
@@ -100,7 +106,8 @@ def with_variant(variant: dict, run):
     finally:
         (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS, cuda_attention.PREFILL_WARPS,
          cuda_attention.PREFILL_WGMMA_WARPS, cuda_attention.PrefillKernel.defines,
-         cuda_attention.PREFILL_WGMMA, source, cuda_attention.PREFILL_MIN_ROWS) = saved
+         cuda_attention.PREFILL_WGMMA, source, cuda_attention.PREFILL_MIN_ROWS,
+         cuda_attention.choose_prefill_splits, cuda_attention.PREFILL_SPLIT_GAIN) = saved
         if source is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
         else:
