@@ -20,7 +20,7 @@ using Output = KVC_OUTPUT_T;
 constexpr bool kExact = KVC_ROTATE && !KVC_KRON && SignificantBits<Input>::value > 0;
 // The exact path's layout (no swaps) spreads a lane's columns in 16-byte
 // chunks of input where a group has several lanes (rotation.cuh): a group's
-// loads and stores then cover whole lines. H200, 2^20 fp16 vectors, against
+// loads and stores then cover whole lines. H200, 2^20 bf16 vectors, against
 // runs of 32 columns a lane in one process, fraction of copy bandwidth:
 // d = 128 0.92 vs 0.83, d = 256 0.92 vs 0.79, d = 64 0.89 vs 0.88. Heads of
 // several rows keep their runs: d = 96 (three rows of 32, two lanes) ran at
