@@ -356,6 +356,36 @@ def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_s
     check(f"{kv_dtype} d={head_size} Hk={num_kv_heads} B={block_size}", out, expected, np.float32)
 
 
+@pytest.mark.parametrize("seq_lens,block_size,rotation,options", [
+    ((1, 17, 64, 65, 700), 16, "default", {}),
+    ((4097, 300), 8, "default", {}),
+    ((2048, 129), 128, "none", {}),
+    ((32768, 1000), 32, "default", {}),
+    ((700, 300), 16, "default", dict(sliding_window=100, softcap=5.0, sinks=True)),
+], ids=["short", "block8", "block128-none", "32768", "window-softcap-sinks"])
+def test_int4_decode_with_64_token_tiles(seq_lens, block_size, rotation, options, monkeypatch):
+    """int4 decode at d = 128 on 64-token tiles (cuda_attention._long_tile), forced
+    here for splits of any length (the planner takes them for splits of 1024 keys
+    and more): partial tiles, pages of 8 to 128 tokens, a window, softcap and sinks."""
+    monkeypatch.setattr(cuda_attention, "DECODE_LONG_TILE_MIN_SPLIT_TOKENS", 0)
+    rng = np.random.default_rng(len(seq_lens) + block_size)
+    batch = paged_batch(rng, list(seq_lens), [1] * len(seq_lens), block_size)
+    cache = host_cache(rng, batch, "int4_per_token_head", 128, 8, block_size, np.float16, rotation)
+    query = (rng.standard_normal((batch.num_queries, 32, 128)) * 2).astype(np.float32)
+    options = dict(options)
+    if options.get("sinks"):
+        options["sinks"] = rng.standard_normal(32).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    expected = reference.paged_attention(query, cache, **args, **options)
+    view = device_view(cache)
+    planned = kc.plan_batch(**args, block_size=block_size, num_blocks=batch.num_blocks,
+                            num_query_tokens=batch.num_queries)
+    out = from_device(kc.paged_attention(cupy.asarray(query), view, batch=planned, **options), np.float32)
+    (plan,) = planned._backend_plans.values()
+    assert plan.kernel.tile == cuda_attention.DECODE_LONG_TILE, plan.kernel
+    check(f"long tiles {seq_lens} B={block_size} {rotation} {options}", out, expected, np.float32)
+
+
 def test_one_batch_plan_serves_caches_of_every_format():
     """A batch planned once and passed with caches of other KV dtypes: each call
     gets its own kernel (the plan is keyed by the cache's format and layout)."""

@@ -73,6 +73,19 @@ LONG_SPLIT_TOKENS = 0
 # and 3.20, fp8 3.44 and 3.53 vs 3.11 and 3.06.
 DECODE_ROUND_MIN_WARPS = 8
 DECODE_ROUND_MAX_HEAD_PAD = 128   # larger heads: not measured, they keep 16-token tiles
+# int4 decode of one quad at d = 128 with row copies takes 64-token tiles
+# (_long_tile): one softmax round of four steps a tile, one block of 8 warps a
+# multiprocessor (219 KiB) instead of two of 32-token tiles, whose two blocks
+# the schedulers serve unevenly (tools/decode_trace.py). H200,
+# tools/decode_variants.py, blockdiag, one process a shape, ms, 64 vs 32: 32 x 32768
+# 0.3269 / 0.3266 vs 0.3346 / 0.3344, 32 x 8192 0.0982 / 0.0982 vs 0.1053 /
+# 0.1056, 8 x 32768 0.0988 / 0.0984 vs 0.1055 / 0.1061, 64 x 2048 0.0590 /
+# 0.0591 vs 0.0672 / 0.0670. Not taken: d = 96 (0.3282 vs 0.2944: slower),
+# and splits shorter than DECODE_LONG_TILE_MIN_SPLIT_TOKENS (4 x 4096, 16
+# splits of 256 keys: 0.0261 / 0.0260 vs 0.0252 / 0.0254).
+DECODE_LONG_TILE = 64
+DECODE_LONG_TILE_HEAD_PAD = 128
+DECODE_LONG_TILE_MIN_SPLIT_TOKENS = 1024
 # Prefill (prefill.cuh): batches whose longest query run has at least this many
 # (query token, head) rows per KV head take the prefill kernel, head sizes up to
 # PREFILL_MAX_HEAD_PAD (above, its register-held accumulators would spill).
@@ -313,7 +326,7 @@ def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int) -> K
             staging = STAGE_ROWS if rows and ROW_STAGING else STAGE_BULK if bulk else STAGE_THREADS
             kernel = Kernel(kv, head_pad, heads, quads, tile, _copy_granule(cache, stored_row), staging)
             if kernel.shared_bytes <= STAGES * STAGE_BYTES_TARGET + 16 * STAGES:
-                return _settle_staging(_round_tile(kernel), bulk)
+                return _long_tile(_settle_staging(_round_tile(kernel), bulk))
             best, best_bulk = kernel, bulk
     return _settle_staging(best, best_bulk)
 
@@ -345,6 +358,19 @@ def _round_tile(kernel: Kernel) -> Kernel:
                 and (best is kernel or warps > best.blocks_per_sm * best.heads)):
             best = wider
     return best
+
+
+def _long_tile(kernel: Kernel) -> Kernel:
+    """64-token tiles for int4 decode of one quad at DECODE_LONG_TILE_HEAD_PAD with
+    row copies, where a block of them fits a multiprocessor with at least
+    DECODE_ROUND_MIN_WARPS warps (plan_attention keeps 32 for short splits)."""
+    if (kernel.kv != KV_INT4 or kernel.quads != 1 or kernel.tile != 32 or kernel.staging != STAGE_ROWS
+            or kernel.head_pad != DECODE_LONG_TILE_HEAD_PAD):
+        return kernel
+    longer = replace(kernel, tile=DECODE_LONG_TILE)
+    if longer.shared_bytes > SHARED_BYTES_PER_SM or longer.blocks_per_sm * longer.heads < DECODE_ROUND_MIN_WARPS:
+        return kernel
+    return longer
 
 
 def choose_splits(base_blocks: int, slots: int, most: int) -> int:
@@ -559,6 +585,10 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
         return -(-longest // split_tokens), split_tokens
 
     splits, split_tokens = split_keys(kernel)
+    long_tile = isinstance(kernel, Kernel) and kernel.tile == DECODE_LONG_TILE
+    if long_tile and split_tokens < DECODE_LONG_TILE_MIN_SPLIT_TOKENS:
+        kernel = replace(kernel, tile=32)
+        splits, split_tokens = split_keys(kernel)
     if isinstance(kernel, Kernel) and kernel.tile > 16 and split_tokens < LONG_SPLIT_TOKENS:
         kernel = replace(kernel, tile=16)
         splits, split_tokens = split_keys(kernel)
@@ -791,15 +821,17 @@ def specialisations(all: bool) -> list:
                         # Every staging: bulk or row copies on sm_90 where the pages allow them (16-bit caches: rows).
                         quantized = kv in (KV_INT4, KV_INT8, KV_FP8)
                         stagings = (STAGE_THREADS, STAGE_BULK, STAGE_ROWS) if quantized else (STAGE_THREADS, STAGE_ROWS)
-                        kernels += [_settle_staging(_round_tile(Kernel(kv, head_pad, heads, quads, tile, 16, staging)),
-                                                    quantized)
-                                    for staging in stagings]
+                        settled = [_settle_staging(_round_tile(Kernel(kv, head_pad, heads, quads, tile, 16, staging)),
+                                                   quantized)
+                                   for staging in stagings]
+                        kernels += settled + [_long_tile(k) for k in settled if _long_tile(k) != k]
                 if head_pad <= PREFILL_MAX_HEAD_PAD:
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, False))
                     if kv in (KV_INT4, KV_INT8, KV_FP8):
                         kernels.append(PrefillKernel.planned(kv, head_pad, 16, True))
     else:
-        kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, STAGE_ROWS), Kernel(KV_INT4, 96, 8, 4, 32, 4),
+        kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, STAGE_ROWS), Kernel(KV_INT4, 128, 8, 1, 64, 16, STAGE_ROWS),
+                   Kernel(KV_INT4, 96, 8, 4, 32, 4),
                    Kernel(KV_INT4, 64, 2, 2, 32, 1), Kernel(KV_INT8, 256, 8, 2, 16, 16),
                    Kernel(KV_FP8, 128, 4, 4, 16, 16, STAGE_ROWS), Kernel(KV_FP8, 128, 8, 1, 32, 16, STAGE_ROWS),
                    Kernel(KV_INT8, 96, 8, 1, 32, 16, STAGE_BULK, 2), Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS),
