@@ -824,7 +824,7 @@ def specialisations(all: bool) -> list:
                         settled = [_settle_staging(_round_tile(Kernel(kv, head_pad, heads, quads, tile, 16, staging)),
                                                    quantized)
                                    for staging in stagings]
-                        kernels += settled + [_long_tile(k) for k in settled if _long_tile(k) != k]
+                        kernels += settled + [longer for longer in map(_long_tile, settled) if longer not in settled]
                 if head_pad <= PREFILL_MAX_HEAD_PAD:
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, False))
                     if kv in (KV_INT4, KV_INT8, KV_FP8):
