@@ -114,7 +114,9 @@ enum TraceMark {
   kTracePageIds, kTraceCopiesOut, kTraceQueryReady,   // the prologue's steps
   // prefill: the rows normalised before the inverse rotation, the first tile
   // landed, the query rotated in registers
-  kTraceOutputNormalised, kTraceFirstLanded, kTraceQueryRotated
+  kTraceOutputNormalised, kTraceFirstLanded, kTraceQueryRotated,
+  // decode: the first quad's query bits in, the block past its barriers' setup
+  kTraceQueryIn, kTraceBarriers
 };
 __device__ __forceinline__ void trace_mark(TraceMark mark) {
 #if KVC_TRACE
@@ -1028,8 +1030,13 @@ struct Attention {
       trace_mark(kTracePageIds);
     }
     if (own_query) {
+      if (KVC_TRACE) {
+        asm volatile("" ::"r"(query_bits.rows[0][0]));   // the stamp waits for the query's bits
+        trace_mark(kTraceQueryIn);
+      }
       rotate_query_quad(p, query_bits, query_rows);
       __syncwarp();
+      trace_mark(kTraceQueryRotated);
     }
     if constexpr (KVC_STAGING == KVC_STAGE_ROWS) {
       if (threadIdx.x < STAGES) {
@@ -1037,6 +1044,7 @@ struct Attention {
         mbarrier_init(barriers + 8 * (STAGES + threadIdx.x), T::kThreads);    // every reader
       }
       __syncthreads();
+      trace_mark(kTraceBarriers);
 #pragma unroll
       for (int s = 0; s < STAGES - 1; ++s) {
         if (s < num_tiles) {

@@ -33,6 +33,7 @@ TRACE_BLOCKS = 16384
 MARKS = 16           # attention.cuh: KVC_TRACE_MARKS, its TraceMark order below
 START, LOOP, FIRST_TILE, LOOP_EXIT, DONE, SM, HALF, THREE_QUARTERS, PAGE_IDS, COPIES_OUT, QUERY_READY = range(11)
 OUTPUT_NORMALISED, FIRST_LANDED, QUERY_ROTATED = range(11, 14)   # the prefill kernel's own (prefill_trace.py)
+QUERY_IN, BARRIERS = 14, 15   # decode: the first quad's query bits in; past the barriers' setup
 
 
 def traced_tables(defines_key: str) -> list:
@@ -95,8 +96,11 @@ def main() -> None:
                   done=percentiles(us(DONE)),
                   prologue=percentiles(us(LOOP) - us(START)),
                   page_ids_in=percentiles(us(PAGE_IDS) - us(START)),
+                  barriers_set=percentiles(us(BARRIERS) - us(START)),
                   first_copies_out=percentiles(us(COPIES_OUT) - us(START)),
-                  query_rotated=percentiles(us(QUERY_READY) - us(START)), first_wait=percentiles(us(FIRST_TILE) - us(LOOP)),
+                  query_in=percentiles(us(QUERY_IN) - us(START)),
+                  query_in_registers=percentiles(us(QUERY_ROTATED) - us(START)),
+                  query_fragments=percentiles(us(QUERY_READY) - us(START)), first_wait=percentiles(us(FIRST_TILE) - us(LOOP)),
                   tile_loop=percentiles(us(LOOP_EXIT) - us(FIRST_TILE)),
                   half_tiles=percentiles(us(HALF)), three_quarters=percentiles(us(THREE_QUARTERS)),
                   epilogue=percentiles(us(DONE) - us(LOOP_EXIT)))
