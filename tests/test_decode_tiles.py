@@ -1,6 +1,9 @@
 """The decode planner's tile and stage choice: 1-byte codes
-(cuda_attention._round_tile), int4's long tiles (_long_tile), on the host: no
-GPU, so it runs in CI."""
+(cuda_attention._round_tile), int4's long tiles (_long_tile) and the shorter
+tiles of short splits (_fit_tile_to_splits), on the host: no GPU, so it runs
+in CI."""
+
+from dataclasses import replace
 
 import pytest
 
@@ -131,3 +134,45 @@ def test_check_compiles_the_long_tile():
     long_tile = Kernel(KV_INT4, 128, 8, 1, ca.DECODE_LONG_TILE, 16, ca.STAGE_ROWS).defines
     for every in (False, True):
         assert any(spec.defines == long_tile for spec in ca.specialisations(every))
+
+
+def splitting(longest: int, slots: int = 132):
+    """A stand-in for plan_attention's split_keys: the splits a sequence of `longest`
+    keys gets on `slots` blocks, in whole tiles (4 tiles a split at least)."""
+    def split_keys(kernel):
+        splits = max(1, min(slots, longest // (ca.MIN_TILES_PER_SPLIT * kernel.tile)))
+        tokens = -(-longest // splits)
+        tokens = -(-tokens // kernel.tile) * kernel.tile
+        return -(-longest // tokens), tokens
+    return split_keys
+
+
+LONG = Kernel(KV_INT4, 128, 8, 1, ca.DECODE_LONG_TILE, 16, ca.STAGE_ROWS)
+
+
+def test_long_tiles_stay_where_the_splits_are_long():
+    kernel, splits, tokens = ca._fit_tile_to_splits(LONG, splitting(32768, slots=4))
+    assert (kernel, splits, tokens) == (LONG, 4, 8192)
+
+
+def test_short_splits_take_32_token_tiles_and_split_again():
+    """Splits of fewer than DECODE_LONG_TILE_MIN_SPLIT_TOKENS keys: the 32-token
+    kernel, with the splits worked out again for it."""
+    kernel, splits, tokens = ca._fit_tile_to_splits(LONG, splitting(4096))
+    assert kernel == replace(LONG, tile=ca.DECODE_ROUND_TILE)
+    assert (splits, tokens) == splitting(4096)(kernel)
+    assert tokens < ca.DECODE_LONG_TILE_MIN_SPLIT_TOKENS
+
+
+def test_long_split_tokens_step_down_to_16(monkeypatch):
+    """Below LONG_SPLIT_TOKENS (0 by default: never) every longer tile takes 16 tokens,
+    the 64-token one by way of 32."""
+    monkeypatch.setattr(ca, "LONG_SPLIT_TOKENS", 4096)
+    for kernel in (LONG, replace(LONG, tile=ca.DECODE_ROUND_TILE)):
+        fitted, splits, tokens = ca._fit_tile_to_splits(kernel, splitting(8192))
+        assert fitted == replace(LONG, tile=16) and (splits, tokens) == splitting(8192)(fitted)
+
+
+def test_prefill_kernels_keep_their_tile():
+    prefill = ca.PrefillKernel.planned(KV_INT4, 128, 16, True)
+    assert ca._fit_tile_to_splits(prefill, splitting(256))[0] == prefill

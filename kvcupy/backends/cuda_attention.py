@@ -72,6 +72,7 @@ LONG_SPLIT_TOKENS = 0
 # two stages (two blocks) against three (one), int8 3.41 and 3.40 vs 3.27
 # and 3.20, fp8 3.44 and 3.53 vs 3.11 and 3.06.
 DECODE_ROUND_MIN_WARPS = 8
+DECODE_ROUND_TILE = 32            # one softmax round of two 16-token steps (attention.cuh)
 DECODE_ROUND_MAX_HEAD_PAD = 128   # larger heads: not measured, they keep 16-token tiles
 # int4 decode of one quad at d = 128 with row copies takes 64-token tiles
 # (_long_tile): one softmax round of four steps a tile, one block of 8 warps a
@@ -320,7 +321,7 @@ def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int) -> K
     for heads in (8, 4, 2, 1):
         if num_kv_heads % heads:
             continue
-        for tile in (32, 16):
+        for tile in (DECODE_ROUND_TILE, 16):
             bulk = _bulk_copies_fit(cache, kv, heads, stored_row, head_pad, capability)
             rows = bulk or _row_copies_fit(cache, kv, heads, stored_row, head_pad, capability)
             staging = STAGE_ROWS if rows and ROW_STAGING else STAGE_BULK if bulk else STAGE_THREADS
@@ -347,12 +348,12 @@ def _round_tile(kernel: Kernel) -> Kernel:
     one quad is one softmax round of two steps (attention.cuh), which pays for
     a lost second block. Two stages instead of three where that keeps more
     warps (more blocks) a multiprocessor."""
-    if (kernel.tile == 32 or kernel.quads != 1 or kernel.kv not in (KV_INT8, KV_FP8)
+    if (kernel.tile == DECODE_ROUND_TILE or kernel.quads != 1 or kernel.kv not in (KV_INT8, KV_FP8)
             or kernel.head_pad > DECODE_ROUND_MAX_HEAD_PAD):
         return kernel
     best = kernel
     for stages in (STAGES, 2):
-        wider = replace(kernel, tile=32, stages=stages)
+        wider = replace(kernel, tile=DECODE_ROUND_TILE, stages=stages)
         warps = wider.blocks_per_sm * wider.heads
         if (wider.shared_bytes <= SHARED_BYTES_PER_SM and warps >= DECODE_ROUND_MIN_WARPS
                 and (best is kernel or warps > best.blocks_per_sm * best.heads)):
@@ -364,7 +365,7 @@ def _long_tile(kernel: Kernel) -> Kernel:
     """64-token tiles for int4 decode of one quad at DECODE_LONG_TILE_HEAD_PAD with
     row copies, where a block of them fits a multiprocessor with at least
     DECODE_ROUND_MIN_WARPS warps (plan_attention keeps 32 for short splits)."""
-    if (kernel.kv != KV_INT4 or kernel.quads != 1 or kernel.tile != 32 or kernel.staging != STAGE_ROWS
+    if (kernel.kv != KV_INT4 or kernel.quads != 1 or kernel.tile != DECODE_ROUND_TILE or kernel.staging != STAGE_ROWS
             or kernel.head_pad != DECODE_LONG_TILE_HEAD_PAD):
         return kernel
     longer = replace(kernel, tile=DECODE_LONG_TILE)
@@ -584,15 +585,27 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
         split_tokens = -(-split_tokens // kernel.tile) * kernel.tile
         return -(-longest // split_tokens), split_tokens
 
-    splits, split_tokens = split_keys(kernel)
-    long_tile = isinstance(kernel, Kernel) and kernel.tile == DECODE_LONG_TILE
-    if long_tile and split_tokens < DECODE_LONG_TILE_MIN_SPLIT_TOKENS:
-        kernel = replace(kernel, tile=32)
-        splits, split_tokens = split_keys(kernel)
-    if isinstance(kernel, Kernel) and kernel.tile > 16 and split_tokens < LONG_SPLIT_TOKENS:
-        kernel = replace(kernel, tile=16)
-        splits, split_tokens = split_keys(kernel)
+    kernel, splits, split_tokens = _fit_tile_to_splits(kernel, split_keys)
     return Plan(kernel, _upload(tiles, device), len(tiles), splits, split_tokens, head_groups)
+
+
+def _fit_tile_to_splits(kernel, split_keys) -> tuple:
+    """The kernel with a tile its splits are long enough for, its splits and keys a
+    split (split_keys(kernel)). A decode kernel's 64-token tiles step down to 32
+    where a split would hold fewer than DECODE_LONG_TILE_MIN_SPLIT_TOKENS keys,
+    then any longer tile to 16 below LONG_SPLIT_TOKENS; each step splits again
+    (shorter tiles allow more splits). Prefill kernels keep theirs."""
+    splits, split_tokens = split_keys(kernel)
+    while isinstance(kernel, Kernel):
+        if kernel.tile == DECODE_LONG_TILE and split_tokens < DECODE_LONG_TILE_MIN_SPLIT_TOKENS:
+            shorter = DECODE_ROUND_TILE
+        elif kernel.tile > 16 and split_tokens < LONG_SPLIT_TOKENS:
+            shorter = 16
+        else:
+            break
+        kernel = replace(kernel, tile=shorter)
+        splits, split_tokens = split_keys(kernel)
+    return kernel, splits, split_tokens
 
 
 def _compute_capability(device) -> int:
