@@ -113,7 +113,7 @@ enum TraceMark {
   kTraceHalf, kTraceThreeQuarters,    // half and three quarters of the tiles in
   kTracePageIds, kTraceCopiesOut, kTraceQueryReady,   // the prologue's steps
   // prefill: the rows normalised before the inverse rotation, the first tile
-  // landed, the query rotated in registers
+  // landed, the query rotated in registers (decode: its first quad rotated)
   kTraceOutputNormalised, kTraceFirstLanded, kTraceQueryRotated,
   // decode: the first quad's query bits in, the block past its barriers' setup
   kTraceQueryIn, kTraceBarriers

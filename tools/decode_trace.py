@@ -99,7 +99,7 @@ def main() -> None:
                   barriers_set=percentiles(us(BARRIERS) - us(START)),
                   first_copies_out=percentiles(us(COPIES_OUT) - us(START)),
                   query_in=percentiles(us(QUERY_IN) - us(START)),
-                  query_in_registers=percentiles(us(QUERY_ROTATED) - us(START)),
+                  query_rotated=percentiles(us(QUERY_ROTATED) - us(START)),
                   query_fragments=percentiles(us(QUERY_READY) - us(START)), first_wait=percentiles(us(FIRST_TILE) - us(LOOP)),
                   tile_loop=percentiles(us(LOOP_EXIT) - us(FIRST_TILE)),
                   half_tiles=percentiles(us(HALF)), three_quarters=percentiles(us(THREE_QUARTERS)),
