@@ -843,7 +843,8 @@ def specialisations(all: bool) -> list:
                     if kv in (KV_INT4, KV_INT8, KV_FP8):
                         kernels.append(PrefillKernel.planned(kv, head_pad, 16, True))
     else:
-        kernels = [Kernel(KV_INT4, 128, 8, 1, 32, 16, STAGE_ROWS), Kernel(KV_INT4, 128, 8, 1, 64, 16, STAGE_ROWS),
+        int4_rows = Kernel(KV_INT4, 128, 8, 1, DECODE_ROUND_TILE, 16, STAGE_ROWS)
+        kernels = [int4_rows, _long_tile(int4_rows),
                    Kernel(KV_INT4, 96, 8, 4, 32, 4),
                    Kernel(KV_INT4, 64, 2, 2, 32, 1), Kernel(KV_INT8, 256, 8, 2, 16, 16),
                    Kernel(KV_FP8, 128, 4, 4, 16, 16, STAGE_ROWS), Kernel(KV_FP8, 128, 8, 1, 32, 16, STAGE_ROWS),
