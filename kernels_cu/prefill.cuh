@@ -60,15 +60,32 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 // a tile's score products run while the next tile is decoded, its output
 // products while the next barrier, copies and score products are issued.
 
-template <int KV, int HEAD_PAD, int WARPS, int TILE, int STAGES, int CHUNK, bool WGMMA = false>
+// PRODUCER (wgmma builds): the last warpgroup stages and decodes the tiles while
+// the others (the consumers) only run the products and the softmax, ordered by
+// mbarriers instead of a block barrier a tile: per decoded buffer, "full" (the
+// producer's 128 threads have decoded a tile into it) and "empty" (every
+// consumer warp is done with its products). The producer then gives up most
+// of its registers (setmaxnreg) to the consumers.
+#ifndef KVC_PRODUCER_REGS
+#define KVC_PRODUCER_REGS 56
+#endif
+#ifndef KVC_DECODED_BUFFERS
+#define KVC_DECODED_BUFFERS 3
+#endif
+
+template <int KV, int HEAD_PAD, int WARPS, int TILE, int STAGES, int CHUNK, bool WGMMA = false, bool PRODUCER = false>
 struct Prefill {
   static_assert(HEAD_PAD % 32 == 0 && HEAD_PAD <= 128, "head size class: 32 .. 128");
   static_assert(TILE % 16 == 0 && TILE <= 128, "tiles are whole 16-token k steps");
   static_assert(CHUNK == 1 || CHUNK == 4 || CHUNK == 8 || CHUNK == 16, "copy granule");
   static_assert(!WGMMA || ((KV == KV_INT4 || KV == KV_INT8 || KV == KV_FP8) && WARPS % 4 == 0 && TILE % 32 == 0),
                 "wgmma: quantized caches, whole warpgroups, tiles of 32 .. 128 tokens");
+  static_assert(!PRODUCER || (WGMMA && WARPS >= 8), "a producer warpgroup beside consumer warpgroups (wgmma)");
   static constexpr int kThreads = 32 * WARPS;
-  static constexpr int kRows = 16 * WARPS;          // query rows a block
+  static constexpr int kConsumerWarps = PRODUCER ? WARPS - 4 : WARPS;   // warps with query rows
+  static constexpr int kConsumerThreads = 32 * kConsumerWarps;
+  static constexpr int kStagers = PRODUCER ? 128 : kThreads;            // threads that stage and decode
+  static constexpr int kRows = 16 * kConsumerWarps;  // query rows a block
   static constexpr int KC = HEAD_PAD / 16;          // k steps of the score product
   static constexpr int NT = TILE / 8;               // score n tiles (8 tokens)
   static constexpr int ND = HEAD_PAD / 8;           // output n tiles (8 dims)
@@ -93,7 +110,7 @@ struct Prefill {
   // A decoded tile (quantized caches): K rows, V rows, then K and V scales as
   // floats; two of them (the next tile decoded while this one is used), three
   // with wgmma (and the one before still read by output products in flight).
-  static constexpr int kDecodedBuffers = WGMMA ? 3 : 2;
+  static constexpr int kDecodedBuffers = PRODUCER ? KVC_DECODED_BUFFERS : WGMMA ? 3 : 2;
   static constexpr int kDecodedBufferBytes = 2 * kDecodedTensorBytes + 2 * TILE * 4;
   static constexpr int kDecodedBytes = kQuantized ? kDecodedBuffers * kDecodedBufferBytes : 0;
   // Query rows of a warp, high or low halves: 16 rows as decoded ones. With
@@ -101,7 +118,14 @@ struct Prefill {
   static constexpr int kQueryTerms = WGMMA ? 1 : 2;
   static constexpr int kQueryBytes = 16 * (WGMMA ? 2 * HEAD_PAD : kDecodedStride);
   static constexpr int kWarpgroupQueryBytes = 4 * kQueryBytes;
-  static constexpr int kSharedBytes = STAGES * kStageBytes + kDecodedBytes + WARPS * kQueryTerms * kQueryBytes;
+  static constexpr int kBarrierOffset = STAGES * kStageBytes + kDecodedBytes + kConsumerWarps * kQueryTerms * kQueryBytes;
+  static constexpr int kBarrierBytes = PRODUCER ? 2 * 8 * kDecodedBuffers : 0;   // full, then empty
+  static constexpr int kSharedBytes = kBarrierOffset + kBarrierBytes;
+  // Registers a thread (setmaxnreg): the launch bounds' 168 at 12 warps, the
+  // producer's given to the consumers.
+  static constexpr int kLaunchRegs = (65536 / kThreads) & ~7;
+  static constexpr int kProducerRegs = KVC_PRODUCER_REGS;
+  static constexpr int kConsumerRegs = ((kLaunchRegs * kThreads - kProducerRegs * 128) / kConsumerThreads) & ~7;
   // fp8 codes enter the products as e4m3 x 2^-8: the scales carry the 2^8.
   static constexpr float kCodeUnit = KV == KV_FP8 ? 256.f : 1.f;
 
@@ -126,15 +150,15 @@ struct Prefill {
   // in [lo, hi) of KV head `head`; other tokens, and ids outside the cache, zero-filled.
   static __device__ __forceinline__ void stage_tile(const Params& p, u8* smem, int stage, int head, int base, int lo,
                                                     int hi, int block_shift,
-                                                    const typename Pages::PageWindow& window) {
+                                                    const typename Pages::PageWindow& window, int stager) {
     u8* keys = smem + stage * kStageBytes;
     u8* values = keys + kRawTensorBytes;
     constexpr int kPieceBytes = CHUNK == 1 ? 4 : CHUNK;
     constexpr int kPieces = kRowBytes / kPieceBytes;
     constexpr int kWork = TILE * kPieces;
 #pragma unroll 1
-    for (int c0 = 0; c0 < kWork; c0 += kThreads) {
-      const int c = c0 + threadIdx.x;
+    for (int c0 = 0; c0 < kWork; c0 += kStagers) {
+      const int c = c0 + stager;
       const int token = c / kPieces, piece = c - token * kPieces;
       const int position = base + token;
       const int block = Pages::block_of(window, position >> block_shift);   // every lane shuffles
@@ -149,8 +173,8 @@ struct Prefill {
       u8* key_scales = values + kRawTensorBytes;
       u8* value_scales = key_scales + kRawScaleBytes;
 #pragma unroll 1
-      for (int c0 = 0; c0 < TILE; c0 += kThreads) {
-        const int token = c0 + threadIdx.x;
+      for (int c0 = 0; c0 < TILE; c0 += kStagers) {
+        const int token = c0 + stager;
         const int position = base + token;
         const int block = Pages::block_of(window, position >> block_shift);
         if (token >= TILE) continue;
@@ -172,15 +196,15 @@ struct Prefill {
   // of consecutive words of one row (a whole row with 4 warps and 64-token
   // tiles), so that a row's zero-point and biases are worked out once per
   // thread, not once per word.
-  static __device__ __forceinline__ void decode_tile(const u8* stage, u8* decoded) {
+  static __device__ __forceinline__ void decode_tile(const u8* stage, u8* decoded, int stager) {
     if constexpr (kQuantized) {
       const u32* scale_words = reinterpret_cast<const u32*>(stage + 2 * kRawTensorBytes);
       constexpr int kWordsPerRow = kRowBytes / 4;
       constexpr int kWords = 2 * TILE * kWordsPerRow;   // K rows, then V rows: one scale word a row
       // One run a thread where the threads divide the words evenly; otherwise
       // (12 warps) runs of up to 8 words, dealt out to the threads in turn.
-      constexpr bool kOneRunEach = kWords % kThreads == 0;
-      constexpr int kRun = kOneRunEach ? kWords / kThreads : largest_pow2_divisor(kWordsPerRow, 8);
+      constexpr bool kOneRunEach = kWords % kStagers == 0;
+      constexpr int kRun = kOneRunEach ? kWords / kStagers : largest_pow2_divisor(kWordsPerRow, 8);
       static_assert(kWordsPerRow % kRun == 0, "a run lies in one row");
       constexpr int kVector = kRun % 4 == 0 ? 4 : kRun % 2 == 0 ? 2 : 1;
       auto decode_run = [&](int run) {
@@ -236,13 +260,13 @@ struct Prefill {
         }
       };
       if constexpr (kOneRunEach) {
-        decode_run(threadIdx.x);
+        decode_run(stager);
       } else {
-        for (int run = threadIdx.x; run < kWords / kRun; run += kThreads) decode_run(run);
+        for (int run = stager; run < kWords / kRun; run += kStagers) decode_run(run);
       }
       // Scales: int4's scale word carries the zero-point in its low 4 bits.
       float* scales = reinterpret_cast<float*>(decoded + 2 * kDecodedTensorBytes);
-      for (int c = threadIdx.x; c < 2 * TILE; c += kThreads) {
+      for (int c = stager; c < 2 * TILE; c += kStagers) {
         const u32 bits = scale_words[c];
         scales[c] = __uint_as_float(KV == KV_INT4 ? bits & ~0xFu : bits) * kCodeUnit;
       }
@@ -401,20 +425,21 @@ struct Prefill {
   // warp's fragment is one conflict-free 8-byte access a lane.
   static constexpr int kFragmentBytes = HEAD_PAD * HEAD_PAD * 2;
   static_assert(kFragmentBytes <= WARPS * kQueryTerms * kQueryBytes, "the fragments fit where the query rows go");
+  template <int THREADS = kThreads>
   static __device__ __forceinline__ void stage_fragments(const uint2* from, u8* to) {
     constexpr int kWords = kFragmentBytes / 16;
-    constexpr int kRounds = (kWords + kThreads - 1) / kThreads;
+    constexpr int kRounds = (kWords + THREADS - 1) / THREADS;
     const uint4* source = reinterpret_cast<const uint4*>(from);
     uint4* target = reinterpret_cast<uint4*>(to);
     uint4 words[kRounds];   // every load out before the first store
 #pragma unroll
     for (int i = 0; i < kRounds; ++i) {
-      const int at = threadIdx.x + i * kThreads;
+      const int at = threadIdx.x + i * THREADS;
       if (at < kWords) words[i] = __ldg(source + at);
     }
 #pragma unroll
     for (int i = 0; i < kRounds; ++i) {
-      const int at = threadIdx.x + i * kThreads;
+      const int at = threadIdx.x + i * THREADS;
       if (at < kWords) target[at] = words[i];
     }
   }
@@ -572,6 +597,23 @@ struct Prefill {
     if (p.rotation_shift != kGroupShift) __syncthreads();
   }
 
+  // A barrier of the warps with query rows (every warp without a producer).
+  static __device__ __forceinline__ void consumers_sync() {
+    if constexpr (PRODUCER) asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
+    else __syncthreads();
+  }
+  static __device__ __forceinline__ void producer_sync() {
+    asm volatile("bar.sync 2, 128;\n" ::: "memory");
+  }
+  template <int REGS>
+  static __device__ __forceinline__ void registers_down() {
+    KVC_WGMMA_ASM(asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)));
+  }
+  template <int REGS>
+  static __device__ __forceinline__ void registers_up() {
+    KVC_WGMMA_ASM(asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)));
+  }
+
   // One split saw every key (`direct`): the merge's arithmetic for a single
   // split (merge_splits: the sink joins the denominator), the inverse rotation
   // (the host's fragments staged in `scratch`, the block's query rows, no
@@ -624,9 +666,9 @@ struct Prefill {
     }
     const u8* fragments = reinterpret_cast<const u8*>(p.rotation_inv);
     if (p.rotation_shift != kGroupShift) {
-      __syncthreads();   // every warp is past its last ldmatrix of the query rows
-      stage_fragments(p.rotation_inv, scratch);
-      __syncthreads();
+      consumers_sync();   // every warp is past its last ldmatrix of the query rows
+      stage_fragments<kConsumerThreads>(p.rotation_inv, scratch);
+      consumers_sync();
       fragments = scratch;
     }
     // The inverse rotation: the Sylvester factor across groups first, then the products.
@@ -653,12 +695,43 @@ struct Prefill {
     else *reinterpret_cast<u32*>(static_cast<u16*>(p.out) + element) = pack_bf162(v0, v1);
   }
 
+  // The producer warpgroup's loop: tile's raw stage (copies issued STAGES - 1
+  // tiles ahead) decoded into buffer tile % kDecodedBuffers once the consumers
+  // are done with that buffer's previous tile. One barrier of the producer's
+  // own a tile: every stager's copies of the tile have landed, and every
+  // stager is done decoding tile - 1, whose raw stage is refilled next.
+  static __device__ __forceinline__ void produce(const Params& p, u8* smem, int kv_head, int key_lo, int key_hi,
+                                                 int block_shift, const int* table, int num_tiles,
+                                                 typename Pages::PageWindow& window, u8* full, u8* empty,
+                                                 int stager) {
+    u8* const decoded = smem + STAGES * kStageBytes;
+    // Groups committed before tile t's wait: STAGES + t, tile t's the t-th.
+#pragma unroll 1
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      cp_async_wait<STAGES - 1>();
+      producer_sync();
+      const int next = tile - 1 + STAGES;
+      if (tile >= 1 && next < num_tiles) {
+        const int next_base = key_lo + next * TILE;
+        Pages::slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+        stage_tile(p, smem, next % STAGES, kv_head, next_base, key_lo, key_hi, block_shift, window, stager);
+      }
+      cp_async_commit();
+      const int buffer = tile % kDecodedBuffers;
+      if (tile >= kDecodedBuffers) mbarrier_wait(empty + 8 * buffer, (tile / kDecodedBuffers - 1) & 1);
+      decode_tile(smem + (tile % STAGES) * kStageBytes, decoded + buffer * kDecodedBufferBytes, stager);
+      mbarrier_arrive(full + 8 * buffer);
+    }
+    cp_async_wait<0>();
+  }
+
   static __device__ void run(const Params& p, int block_shift) {
     extern __shared__ __align__(16) u8 smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int seq = p.tiles[2 * blockIdx.y], row_tile = p.tiles[2 * blockIdx.y + 1];
     const int kv_head = blockIdx.z;
+    const bool producer = PRODUCER && warp >= kConsumerWarps;   // uniform across a warpgroup
     const int split = blockIdx.x;
     trace_mark(kTraceStart);
     trace_mark(kTraceSm);
@@ -687,7 +760,7 @@ struct Prefill {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = row_begin + g + 8 * r;
-      row_valid[r] = row < total_rows;
+      row_valid[r] = !producer && row < total_rows;
       row_position[r] = context + row / p.group;
     }
     int min_position = row_valid[0] ? row_position[0] : 0x7fffffff;
@@ -713,14 +786,28 @@ struct Prefill {
     // tile - 1's products (the buffer decoded next) and with decoding tile
     // (whose raw stage is refilled next), and tile + 1's copies have landed.
     constexpr int kAhead = kQuantized ? STAGES : STAGES - 1;
-    typename Pages::PageWindow window = Pages::first_window(p, table, key_lo, key_hi, block_shift);
-#pragma unroll
-    for (int s = 0; s < kAhead; ++s) {
-      if (s < num_tiles) {
-        Pages::slide_window(window, p, table, (key_lo + s * TILE) >> block_shift, key_lo, key_hi, block_shift);
-        stage_tile(p, smem, s, kv_head, key_lo + s * TILE, key_lo, key_hi, block_shift, window);
+    // PRODUCER: the decoded buffers' barriers, and only the producer stages.
+    u8* const full = smem + kBarrierOffset;
+    u8* const empty = full + 8 * kDecodedBuffers;
+    if constexpr (PRODUCER) {
+      if (threadIdx.x < kDecodedBuffers) {
+        mbarrier_init(full + 8 * threadIdx.x, kStagers);
+        mbarrier_init(empty + 8 * threadIdx.x, kConsumerWarps);
       }
-      cp_async_commit();
+      __syncthreads();
+    }
+    const int stager = PRODUCER ? threadIdx.x - kConsumerThreads : threadIdx.x;
+    typename Pages::PageWindow window{};
+    if (!PRODUCER || producer) {
+      window = Pages::first_window(p, table, key_lo, key_hi, block_shift);
+#pragma unroll
+      for (int s = 0; s < kAhead; ++s) {
+        if (s < num_tiles) {
+          Pages::slide_window(window, p, table, (key_lo + s * TILE) >> block_shift, key_lo, key_hi, block_shift);
+          stage_tile(p, smem, s, kv_head, key_lo + s * TILE, key_lo, key_hi, block_shift, window, stager);
+        }
+        cp_async_commit();
+      }
     }
     trace_mark(kTraceCopiesOut);
     // The query rows as the score product's A operand, high and low fp16 halves
@@ -736,6 +823,14 @@ struct Prefill {
     {
       float values[KC][2][2][2];   // [kc][h][r][j]
       load_query(p, q_begin, row_begin, kv_head, row_valid, smem + STAGES * kStageBytes + kDecodedBytes, values);
+      if constexpr (PRODUCER) {   // past the block's last barrier: the roles part
+        if (producer) {
+          registers_down<kProducerRegs>();
+          produce(p, smem, kv_head, key_lo, key_hi, block_shift, table, num_tiles, window, full, empty, stager);
+          return;
+        }
+        registers_up<kConsumerRegs>();
+      }
       trace_mark(kTraceQueryRotated);
       float largest[2] = {0.f, 0.f};
 #pragma unroll
@@ -771,6 +866,7 @@ struct Prefill {
       }
       if constexpr (WGMMA) fence_proxy_async();   // read by wgmma after the loop's first barrier
       __syncwarp();
+      if constexpr (PRODUCER) consumers_sync();   // the rows of every warp in place before the first products
     }
     trace_mark(kTraceQueryReady);
     const float exp_scale[2] = {row_unscale[0] * kLog2e, row_unscale[1] * kLog2e};
@@ -786,27 +882,31 @@ struct Prefill {
     float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
     u8* const decoded = smem + STAGES * kStageBytes;
-    if (kQuantized && num_tiles > 0) {
+    if (!PRODUCER && kQuantized && num_tiles > 0) {
       cp_async_wait<STAGES - 1>();
       __syncthreads();
       trace_mark(kTraceFirstLanded);
-      decode_tile(smem, decoded);
+      decode_tile(smem, decoded, stager);
     }
     trace_mark(kTraceLoop);
     for (int tile = 0; tile < num_tiles; ++tile) {
-      cp_async_wait<STAGES - 2>();   // quantized: tile + 1 landed; plain: tile
-      __syncthreads();
+      if constexpr (PRODUCER) {
+        mbarrier_wait(full + 8 * (tile % kDecodedBuffers), (tile / kDecodedBuffers) & 1);
+      } else {
+        cp_async_wait<STAGES - 2>();   // quantized: tile + 1 landed; plain: tile
+        __syncthreads();
+      }
       if (tile == 1) trace_mark(kTraceFirstTile);   // tile 0's products issued and its softmax done
       const int next = tile + kAhead;
-      if (next < num_tiles) {
+      if (!PRODUCER && next < num_tiles) {
         const int next_base = key_lo + next * TILE;
         Pages::slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
-        stage_tile(p, smem, next % STAGES, kv_head, next_base, key_lo, key_hi, block_shift, window);
+        stage_tile(p, smem, next % STAGES, kv_head, next_base, key_lo, key_hi, block_shift, window, stager);
       }
-      cp_async_commit();   // (an empty group at the end keeps wait_group's count in step)
+      if constexpr (!PRODUCER) cp_async_commit();   // (an empty group at the end keeps wait_group's count in step)
       u8* const next_decoded = decoded + ((tile + 1) % kDecodedBuffers) * kDecodedBufferBytes;
       if (!WGMMA && kQuantized && tile + 1 < num_tiles)
-        decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, next_decoded);
+        decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, next_decoded, stager);
       const u8* keys = kQuantized ? decoded + (tile % kDecodedBuffers) * kDecodedBufferBytes
                                   : smem + (tile % STAGES) * kStageBytes;
       const u8* values = keys + (kQuantized ? kDecodedTensorBytes : kRawTensorBytes);
@@ -836,10 +936,15 @@ struct Prefill {
             kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
           kvc_wgmma::commit();
         }
-        if (tile + 1 < num_tiles) decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, next_decoded);
+        if (!PRODUCER && tile + 1 < num_tiles)
+          decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, next_decoded, stager);
         kvc_wgmma::wait<0>();   // these scores, and the previous tile's output products
         kvc_wgmma::hold(score);
         kvc_wgmma::hold(out);
+        if (PRODUCER && tile >= 1) {   // this warp is done with tile - 1's buffer
+          __syncwarp();
+          if (lane == 0) mbarrier_arrive(empty + 8 * ((tile - 1) % kDecodedBuffers));
+        }
       }
       if (unseen) continue;
 #pragma unroll

@@ -203,7 +203,7 @@ def test_every_query_length(mode, seq_lens, query_lens, kv_dtype):
 PREFILL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160)
 
 
-@pytest.mark.parametrize("build", ["wgmma", "mma.sync"])
+@pytest.mark.parametrize("build", ["producer", "wgmma", "mma.sync"])
 @pytest.mark.parametrize("head_size", PREFILL_HEAD_SIZES)
 @pytest.mark.parametrize("kv_dtype,model_dtype", [(kv, np.float16) for kv in KV_DTYPES] + [("auto", "bfloat16")])
 def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, build, monkeypatch):
@@ -211,10 +211,14 @@ def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, 
     decode kernel's row tiles): a prompt, a chunk over a longer context, a short
     prompt and a decode row in one batch, so partial row and key tiles, diagonal
     tiles and skipped ones all occur. Both builds of quantized caches where the
-    GPU has wgmma (sm_90): the warpgroup one, and the mma.sync one that older GPUs take."""
-    monkeypatch.setattr(cuda_attention, "PREFILL_WGMMA", build == "wgmma")
+    GPU has wgmma (sm_90): the warpgroup one with and without its producer
+    warpgroup, and the mma.sync one that older GPUs take."""
+    warpgroups = build in ("producer", "wgmma")
+    monkeypatch.setattr(cuda_attention, "PREFILL_WGMMA", warpgroups)
+    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", build == "producer")
+    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER_MIN_KEYS", 0)   # these prompts are short
     hopper = cupy.cuda.Device().compute_capability == "90"
-    if build == "wgmma" and not (hopper and kv_dtype != "auto" and head_size <= 128):
+    if warpgroups and not (hopper and kv_dtype != "auto" and head_size <= 128):
         pytest.skip("the wgmma build serves quantized caches on sm_90 GPUs, head sizes up to 128")
     model_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if model_dtype == "bfloat16" else np.dtype(model_dtype)
     rng = np.random.default_rng(head_size)
@@ -228,7 +232,8 @@ def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, 
     out = from_device(kc.paged_attention(cupy.asarray(query), device_view(cache), batch=planned), np.float32)
     (plan,) = planned._backend_plans.values()
     assert isinstance(plan.kernel, PrefillKernel) == (head_size <= 128), plan.kernel
-    assert getattr(plan.kernel, "wgmma", False) == (build == "wgmma"), plan.kernel
+    assert getattr(plan.kernel, "wgmma", False) == warpgroups, plan.kernel
+    assert getattr(plan.kernel, "producer", False) == (build == "producer"), plan.kernel
     check(f"prefill {build} {kv_dtype}/{model_dtype} d={head_size}", out, expected, np.float32)
 
 

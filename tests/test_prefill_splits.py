@@ -1,7 +1,8 @@
-"""The prefill planner's split choice (cuda_attention.choose_prefill_splits), on
-the host: NumPy only, no GPU, so it runs in CI."""
+"""The prefill planner's split choice (cuda_attention.choose_prefill_splits) and
+build choice (_prefill_kernel), on the host: no GPU, so it runs in CI."""
 
 import numpy as np
+import pytest
 
 from kvcupy.backends import cuda_attention as ca
 
@@ -30,3 +31,37 @@ def test_a_few_long_blocks_are_split():
     assert len(tiles) == 2
     splits = ca.choose_prefill_splits(tiles, 1, SLOTS, 32768, TILE, most=32)
     assert 16 <= splits <= 32
+
+
+# --- which prefill build (cuda_attention._prefill_kernel) ---------------------
+
+QUANTIZED = (ca.KV_INT4, ca.KV_INT8, ca.KV_FP8)
+
+
+@pytest.mark.parametrize("kv", QUANTIZED)
+@pytest.mark.parametrize("head_pad", (32, 96, 128))
+def test_long_prompts_take_the_producer_warpgroup(kv, head_pad):
+    """From PREFILL_PRODUCER_MIN_KEYS keys: 12 warps, of which the last warpgroup stages
+    and decodes, so a block holds 128 query rows (8 consumer warps of 16)."""
+    kernel = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_PRODUCER_MIN_KEYS)
+    assert (kernel.wgmma, kernel.producer, kernel.warps, kernel.rows_per_tile) == (True, True, 12, 128)
+    assert kernel.defines["KVC_PRODUCER"] == 1 and kernel.defines["KVC_DECODED_BUFFERS"] == kernel.buffers
+    assert kernel.shared_bytes <= ca.SHARED_BYTES_PER_SM
+
+
+@pytest.mark.parametrize("kv", QUANTIZED)
+def test_shorter_prompts_keep_three_warpgroups_of_rows(kv):
+    kernel = ca._prefill_kernel(kv, 128, 16, 90, ca.PREFILL_PRODUCER_MIN_KEYS - 1)
+    assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile) == (True, False, 192)
+    assert "KVC_PRODUCER" not in kernel.defines
+
+
+@pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
+@pytest.mark.parametrize("capability", (80, 89, 90))
+def test_the_producer_only_serves_the_wgmma_build(kv, capability):
+    """Auto caches and GPUs without wgmma take the mma.sync build at any length."""
+    kernel = ca._prefill_kernel(kv, 128, 16, capability, 1 << 20)
+    wgmma = capability == 90 and kv in QUANTIZED
+    assert (kernel.wgmma, kernel.producer) == (wgmma, wgmma)
+    if not wgmma:
+        assert kernel.rows_per_tile == 16 * kernel.warps

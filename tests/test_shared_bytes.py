@@ -40,7 +40,8 @@ def ptx(defines: dict, arch: str) -> str:
 def launcher_kernel(defines: dict) -> Kernel | PrefillKernel:
     if "KVC_PREFILL_KV" in defines:
         return PrefillKernel(defines["KVC_PREFILL_KV"], defines["KVC_HEAD_PAD"], defines["KVC_TILE"],
-                             defines["KVC_CHUNK"], defines["KVC_WARPS"], bool(defines.get("KVC_WGMMA", 0)))
+                             defines["KVC_CHUNK"], defines["KVC_WARPS"], bool(defines.get("KVC_WGMMA", 0)),
+                             bool(defines.get("KVC_PRODUCER", 0)), defines.get("KVC_DECODED_BUFFERS", 3))
     return Kernel(defines["KVC_ATTN_KV"], defines["KVC_HEAD_PAD"], defines["KVC_HEADS"], defines["KVC_QUADS"],
                   defines["KVC_TILE"], defines["KVC_CHUNK"], defines["KVC_STAGING"], defines["KVC_STAGES"])
 
@@ -49,7 +50,7 @@ def kernel_constant(text: str, kernel: Kernel | PrefillKernel) -> int:
     """kSharedBytes of the kernel's own template instance (Itanium-mangled in the PTX)."""
     if isinstance(kernel, PrefillKernel):
         arguments = (kernel.kv, kernel.head_pad, kernel.warps, kernel.tile, kernel.stages, kernel.chunk)
-        name = "7PrefillI" + "".join(f"Li{a}E" for a in arguments) + f"Lb{int(kernel.wgmma)}E"
+        name = "7PrefillI" + "".join(f"Li{a}E" for a in arguments) + f"Lb{int(kernel.wgmma)}ELb{int(kernel.producer)}E"
     else:
         arguments = (kernel.kv, kernel.head_pad, kernel.heads, kernel.quads, kernel.tile, kernel.stages,
                      kernel.chunk)
@@ -67,6 +68,7 @@ def test_launcher_allocates_what_the_kernel_uses(spec):
     assert kernel_constant(ptx(spec.defines, spec.arch or "sm_90"), kernel) == kernel.shared_bytes
 
 
-def test_the_sample_holds_both_prefill_builds():
-    builds = {launcher_kernel(spec.defines).wgmma for spec in KERNELS if "KVC_PREFILL_KV" in spec.defines}
-    assert builds == {False, True}
+def test_the_sample_holds_every_prefill_build():
+    builds = {(kernel.wgmma, kernel.producer) for kernel in (launcher_kernel(spec.defines) for spec in KERNELS
+                                                             if "KVC_PREFILL_KV" in spec.defines)}
+    assert builds == {(False, False), (True, False), (True, True)}

@@ -111,6 +111,20 @@ PREFILL_WGMMA = True
 # 64 x 128 0.29 vs 0.33 ms. (168 registers a thread; the spills sit in the
 # prologue and the epilogue, two spill instructions in the loop.)
 PREFILL_WGMMA_WARPS = 12
+# Long prompts take the wgmma build with a producer warpgroup (prefill.cuh,
+# PRODUCER): of its 12 warps, four stage and decode the tiles while two
+# warpgroups (128 query rows) run the products and the softmax, ordered by
+# mbarriers, the consumers on 224 registers (setmaxnreg), none spilled.
+# int4, blockdiag, d = 128, TFLOP/s against the 3-warpgroup build in one
+# process (H200, tools/prefill_variants.py): 4 x 8192 causal 283.6 / 285.3 vs
+# 273.5, 2048 new over 30720 cached 312.0 / 311.4 vs 284.5; int8 228-230 vs
+# 232 and 244 vs 238. Below PREFILL_PRODUCER_MIN_KEYS keys a sequence the
+# 192-row blocks win (fewer blocks, each key tile shared by more rows): 64 x
+# 128 0.263 vs 0.238 ms, 16 x 512 0.352 vs 0.314, 4 x 2048 0.684 vs 0.655
+# (1 x 2048 0.198 vs 0.209: the threshold sits between 2048 and 8192, 4096 unmeasured).
+PREFILL_PRODUCER = True
+PREFILL_PRODUCER_MIN_KEYS = 4096
+PREFILL_PRODUCER_BUFFERS = 3   # decoded tiles; 4 measured the same (int4 +0.6%, int8 -1%)
 
 
 @dataclass(frozen=True)
@@ -186,14 +200,19 @@ class PrefillKernel:
     chunk: int
     warps: int = PREFILL_WARPS
     wgmma: bool = False   # warpgroup products (sm_90a only; quantized caches)
+    producer: bool = False   # with wgmma: the last warpgroup stages and decodes, the others compute
+    buffers: int = 3         # decoded tiles in shared memory (wgmma builds)
 
     entry = "prefill_attention"
     kv_heads_per_block = 1
 
     @classmethod
-    def planned(cls, kv: int, head_pad: int, chunk: int, wgmma: bool) -> "PrefillKernel":
-        """The specialisation the planner takes: its tile, and warps by build."""
-        return cls(kv, head_pad, PREFILL_TILE, chunk, PREFILL_WGMMA_WARPS if wgmma else PREFILL_WARPS, wgmma)
+    def planned(cls, kv: int, head_pad: int, chunk: int, wgmma: bool, producer: bool = False) -> "PrefillKernel":
+        """The specialisation the planner takes: its tile, and warps by build;
+        `producer` asks for the wgmma build's producer warpgroup (PREFILL_PRODUCER allowing)."""
+        producer = wgmma and producer and PREFILL_PRODUCER
+        return cls(kv, head_pad, PREFILL_TILE, chunk, PREFILL_WGMMA_WARPS if wgmma else PREFILL_WARPS, wgmma, producer,
+                   PREFILL_PRODUCER_BUFFERS if producer else 3)
 
     @property
     def quantized(self) -> bool:
@@ -208,8 +227,13 @@ class PrefillKernel:
         return 32 * self.warps
 
     @property
+    def consumer_warps(self) -> int:
+        """Warps with query rows (all but the producer warpgroup)."""
+        return self.warps - 4 if self.producer else self.warps
+
+    @property
     def rows_per_tile(self) -> int:
-        return 16 * self.warps
+        return 16 * self.consumer_warps
 
     @property
     def blocks_per_sm(self) -> int:
@@ -225,6 +249,9 @@ class PrefillKernel:
         defines = {"KVC_PREFILL_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_WARPS": self.warps,
                    "KVC_TILE": self.tile, "KVC_STAGES": self.stages, "KVC_CHUNK": self.chunk,
                    "KVC_MIN_BLOCKS": self.blocks_per_sm}
+        if self.producer:
+            defines["KVC_PRODUCER"] = 1
+            defines["KVC_DECODED_BUFFERS"] = self.buffers
         return {**defines, "KVC_WGMMA": 1} if self.wgmma else defines
 
     @property
@@ -236,10 +263,11 @@ class PrefillKernel:
         raw_stride = self.head_pad * bits // 8 if self.quantized else decoded_stride
         scales = 4 * self.tile if self.quantized else 0
         stage = 2 * self.tile * raw_stride + 2 * scales
-        buffers = 3 if self.wgmma else 2
+        buffers = self.buffers if self.producer else 3 if self.wgmma else 2
         decoded = buffers * (2 * self.tile * row + 2 * 4 * self.tile) if self.quantized else 0
-        queries = self.warps * (1 if self.wgmma else 2) * 16 * row   # query terms: wgmma takes one
-        return self.stages * stage + decoded + queries
+        queries = self.consumer_warps * (1 if self.wgmma else 2) * 16 * row   # query terms: wgmma takes one
+        barriers = 2 * 8 * buffers if self.producer else 0   # full and empty, a decoded buffer each
+        return self.stages * stage + decoded + queries + barriers
 
 
 def kv_code(cache) -> int:
@@ -549,9 +577,8 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
     capability = _compute_capability(device)
     kernel = _choose_kernel(cache, kv, max_rows, capability)
     if max_rows >= PREFILL_MIN_ROWS and kernel.head_pad <= PREFILL_MAX_HEAD_PAD:
-        stored_row = _stored_row_bytes(cache, kv)
-        wgmma = PREFILL_WGMMA and capability == 90 and kv in (KV_INT4, KV_INT8, KV_FP8)
-        kernel = PrefillKernel.planned(kv, kernel.head_pad, _copy_granule(cache, stored_row), wgmma)
+        kernel = _prefill_kernel(kv, kernel.head_pad, _copy_granule(cache, _stored_row_bytes(cache, kv)), capability,
+                                 longest)
     rows_per_tile = kernel.rows_per_tile
     if query_lens is not None:
         row_tiles = -(-query_lens * group // rows_per_tile)
@@ -587,6 +614,14 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
 
     kernel, splits, split_tokens = _fit_tile_to_splits(kernel, split_keys)
     return Plan(kernel, _upload(tiles, device), len(tiles), splits, split_tokens, head_groups)
+
+
+def _prefill_kernel(kv: int, head_pad: int, chunk: int, capability: int, longest: int) -> PrefillKernel:
+    """The prefill build for a batch whose longest sequence holds `longest` keys: wgmma
+    for quantized caches on sm_90, with the producer warpgroup from
+    PREFILL_PRODUCER_MIN_KEYS keys; mma.sync otherwise."""
+    wgmma = PREFILL_WGMMA and capability == 90 and kv in (KV_INT4, KV_INT8, KV_FP8)
+    return PrefillKernel.planned(kv, head_pad, chunk, wgmma, producer=longest >= PREFILL_PRODUCER_MIN_KEYS)
 
 
 def _fit_tile_to_splits(kernel, split_keys) -> tuple:
@@ -842,6 +877,7 @@ def specialisations(all: bool) -> list:
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, False))
                     if kv in (KV_INT4, KV_INT8, KV_FP8):
                         kernels.append(PrefillKernel.planned(kv, head_pad, 16, True))
+                        kernels.append(PrefillKernel.planned(kv, head_pad, 16, True, producer=True))
     else:
         int4_rows = Kernel(KV_INT4, 128, 8, 1, DECODE_ROUND_TILE, 16, STAGE_ROWS)
         kernels = [int4_rows, _long_tile(int4_rows),
@@ -855,7 +891,9 @@ def specialisations(all: bool) -> list:
                    PrefillKernel.planned(KV_FP8, 64, 16, False), PrefillKernel.planned(KV_F16, 128, 16, False),
                    PrefillKernel.planned(KV_BF16, 32, 1, False),
                    PrefillKernel.planned(KV_INT4, 128, 16, True), PrefillKernel.planned(KV_FP8, 96, 4, True),
-                   PrefillKernel.planned(KV_INT8, 32, 16, True)]
+                   PrefillKernel.planned(KV_INT8, 32, 16, True),
+                   PrefillKernel.planned(KV_INT4, 128, 16, True, producer=True),
+                   PrefillKernel.planned(KV_INT8, 96, 4, True, producer=True)]
     found += [Specialisation("attention", (kernel.entry,), kernel.defines, kernel.arch)
               for kernel in kernels]
     # The wgmma operand-layout probes of tests/test_gpu_wgmma.py.
