@@ -888,85 +888,11 @@ struct Prefill {
       trace_mark(kTraceFirstLanded);
       decode_tile(smem, decoded, stager);
     }
-    trace_mark(kTraceLoop);
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      if constexpr (PRODUCER) {
-        mbarrier_wait(full + 8 * (tile % kDecodedBuffers), (tile / kDecodedBuffers) & 1);
-      } else {
-        cp_async_wait<STAGES - 2>();   // quantized: tile + 1 landed; plain: tile
-        __syncthreads();
-      }
-      if (tile == 1) trace_mark(kTraceFirstTile);   // tile 0's products issued and its softmax done
-      const int next = tile + kAhead;
-      if (!PRODUCER && next < num_tiles) {
-        const int next_base = key_lo + next * TILE;
-        Pages::slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
-        stage_tile(p, smem, next % STAGES, kv_head, next_base, key_lo, key_hi, block_shift, window, stager);
-      }
-      if constexpr (!PRODUCER) cp_async_commit();   // (an empty group at the end keeps wait_group's count in step)
-      u8* const next_decoded = decoded + ((tile + 1) % kDecodedBuffers) * kDecodedBufferBytes;
-      if (!WGMMA && kQuantized && tile + 1 < num_tiles)
-        decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, next_decoded, stager);
-      const u8* keys = kQuantized ? decoded + (tile % kDecodedBuffers) * kDecodedBufferBytes
-                                  : smem + (tile % STAGES) * kStageBytes;
-      const u8* values = keys + (kQuantized ? kDecodedTensorBytes : kRawTensorBytes);
-      const float* key_scales = reinterpret_cast<const float*>(keys + 2 * kDecodedTensorBytes);
-      const float* value_scales = key_scales + TILE;
-      const int base = key_lo + tile * TILE;
-      // Tiles no row of this warp (warpgroup) sees (causal, window): nothing to do.
-      const bool unseen = max_position < 0 || base > max_position ||
-                          (p.window != 0 && base + TILE - 1 <= min_position - p.window);
-
-      // Scores: thread (g, t) holds rows g (c0, c1) and g + 8 (c2, c3), tokens 8 n + 2t (+1).
-      float score[NT][4];
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) score[n][i] = 0.f;
-      if constexpr (WGMMA) {
-        // Issued, then the next tile decoded while they run.
-        if (!unseen) {
-          kvc_wgmma::hold(score);
-          kvc_wgmma::fence();
-          // k step kc: dims 16 kc.., 256 bytes on (a descriptor counts 16-byte units).
-          const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
-          const kvc_wgmma::u64 key_operand = kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
-#pragma unroll
-          for (int kc = 0; kc < KC; ++kc)
-            kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
-          kvc_wgmma::commit();
-        }
-        if (!PRODUCER && tile + 1 < num_tiles)
-          decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, next_decoded, stager);
-        kvc_wgmma::wait<0>();   // these scores, and the previous tile's output products
-        kvc_wgmma::hold(score);
-        kvc_wgmma::hold(out);
-        if (PRODUCER && tile >= 1) {   // this warp is done with tile - 1's buffer
-          __syncwarp();
-          if (lane == 0) mbarrier_arrive(empty + 8 * ((tile - 1) % kDecodedBuffers));
-        }
-      }
-      if (unseen) continue;
-#pragma unroll
-      for (int kc = 0; kc < KC && !WGMMA; kc += 2) {
-        u32 q_high[2][4], q_low[2][4];
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          ldmatrix_x4(q_high[k], query_lane + 32 * (kc + k));
-          ldmatrix_x4(q_low[k], query_lane + kQueryBytes + 32 * (kc + k));
-        }
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          // Matrices: tokens 8n.. x dims 16 kc, 16 kc + 8, 16 kc + 16, 16 kc + 24.
-          u32 b[4];
-          ldmatrix_x4(b, keys + (8 * n + (lane & 7)) * kDecodedStride + 2 * (16 * kc + 8 * (lane >> 3)));
-          mma<kBf16>(score[n], q_high[0], b[0], b[1]);
-          mma<kBf16>(score[n], q_low[0], b[0], b[1]);
-          mma<kBf16>(score[n], q_high[1], b[2], b[3]);
-          mma<kBf16>(score[n], q_low[1], b[2], b[3]);
-        }
-      }
-
+    // A tile's softmax, its scores in `score` (in place), its decoded scales: the
+    // running maxima, sums and reference updated, P in p_high (bf16: and p_low);
+    // returns the factors of the accumulators' rows g and g + 8 for the tile.
+    auto softmax_tile = [&](float (&score)[NT][4], const float* key_scales, const float* value_scales, int base,
+                            u32 (&p_high)[NT][2], u32 (&p_low)[kBf16 ? NT : 1][2]) {
       // Scores in "row units" (z = q_up . k x key scale: the row's true logit
       // times 2^k, the row's query scaling, exact), capped and masked; the tile's
       // maximum per row. The softmax then works in log2 units through one FMA a
@@ -1008,7 +934,6 @@ struct Prefill {
         running_max[r] = new_max;
       }
       // Probabilities times V scale / R, as the P operand's fp16 (bf16) pairs.
-      u32 p_high[NT][2], p_low[kBf16 ? NT : 1][2];
       float tile_sum[2] = {0.f, 0.f};
       if (all_visible)
         probabilities<false>(score, value_scales, to_reference, exp_scale, shift, t, p_high, p_low, tile_sum);
@@ -1016,19 +941,23 @@ struct Prefill {
         probabilities<true>(score, value_scales, to_reference, exp_scale, shift, t, p_high, p_low, tile_sum);
 #pragma unroll
       for (int r = 0; r < 2; ++r) running_sum[r] = running_sum[r] * alpha[r] + tile_sum[r];
-      const float f0 = alpha[0] * rescale_values, f1 = alpha[1] * rescale_values;
-      if (!__all_sync(0xffffffffu, f0 == 1.f && f1 == 1.f)) {
+      return make_float2(alpha[0] * rescale_values, alpha[1] * rescale_values);
+    };
+    auto rescale_out = [&](float2 factor) {
+      if (!__all_sync(0xffffffffu, factor.x == 1.f && factor.y == 1.f)) {
 #pragma unroll
         for (int n = 0; n < ND; ++n) {
-          out[n][0] *= f0;
-          out[n][1] *= f0;
-          out[n][2] *= f1;
-          out[n][3] *= f1;
+          out[n][0] *= factor.x;
+          out[n][1] *= factor.x;
+          out[n][2] *= factor.y;
+          out[n][3] *= factor.y;
         }
       }
-
-      // Output: k step j is tokens 16 j .. 16 j + 15, i.e. score tiles 2j, 2j + 1.
-      if constexpr (WGMMA) {   // issued; waited for by the next tile's wait (or after the loop)
+    };
+    // wgmma: a tile's output products (P from registers, the V rows of its decoded
+    // buffer), issued (the caller commits them).
+    auto issue_values = [&](const u32 (&p_high)[NT][2], const u8* values) {
+      if constexpr (WGMMA) {
         kvc_wgmma::hold(out);
         kvc_wgmma::fence();
         // B = V rows 16 j.. (K, tokens) x dims (N): core matrices 128 bytes apart along the dims.
@@ -1038,6 +967,133 @@ struct Prefill {
           const u32 a_high[4] = {p_high[2 * j][0], p_high[2 * j][1], p_high[2 * j + 1][0], p_high[2 * j + 1][1]};
           kvc_wgmma::Products<HEAD_PAD>::rs_mn(out, a_high, value_operand + 2 * j * HEAD_PAD);   // 32 j HEAD_PAD bytes
         }
+      }
+    };
+    trace_mark(kTraceLoop);
+    if constexpr (PRODUCER) {
+      // FlashAttention-3's order within a warpgroup: tile's score products, then
+      // tile - 1's output products, both in flight while tile's softmax runs once
+      // its scores are in (P of tile - 1 and tile in separate registers). No
+      // branch around a product (ptxas would serialise them all): a tile this
+      // warpgroup does not see runs too, its scores all masked.
+      u32 p_previous[NT][2], p_low[1][2];
+      const u8* previous_values = decoded;
+      for (int tile = 0; tile < num_tiles; ++tile) {
+        mbarrier_wait(full + 8 * (tile % kDecodedBuffers), (tile / kDecodedBuffers) & 1);
+        if (tile == 1) trace_mark(kTraceFirstTile);
+        const u8* keys = decoded + (tile % kDecodedBuffers) * kDecodedBufferBytes;
+        const u8* values = keys + kDecodedTensorBytes;
+        const float* key_scales = reinterpret_cast<const float*>(keys + 2 * kDecodedTensorBytes);
+        const float* value_scales = key_scales + TILE;
+        float score[NT][4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) score[n][i] = 0.f;
+        kvc_wgmma::hold(score);
+        kvc_wgmma::fence();
+        const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
+        const kvc_wgmma::u64 key_operand = kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc)
+          kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
+        kvc_wgmma::commit();
+        if (tile > 0) issue_values(p_previous, previous_values);
+        kvc_wgmma::commit();   // (empty at tile 0: complete at once)
+        kvc_wgmma::wait<1>();   // the scores; the output products run on
+        kvc_wgmma::hold(score);
+        u32 p_current[NT][2];
+        const float2 factor = softmax_tile(score, key_scales, value_scales, key_lo + tile * TILE, p_current, p_low);
+        kvc_wgmma::wait<0>();
+        kvc_wgmma::hold(out);
+        rescale_out(factor);   // (no product in flight) for tile's output products, issued next
+        if (tile >= 1) {   // this warp is done with tile - 1's buffer
+          __syncwarp();
+          if (lane == 0) mbarrier_arrive(empty + 8 * ((tile - 1) % kDecodedBuffers));
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) p_previous[n][0] = p_current[n][0], p_previous[n][1] = p_current[n][1];
+        previous_values = values;
+      }
+      if (num_tiles > 0) {
+        issue_values(p_previous, previous_values);
+        kvc_wgmma::commit();
+      }
+    }
+    for (int tile = 0; tile < num_tiles && !PRODUCER; ++tile) {
+      cp_async_wait<STAGES - 2>();   // quantized: tile + 1 landed; plain: tile
+      __syncthreads();
+      if (tile == 1) trace_mark(kTraceFirstTile);   // tile 0's products issued and its softmax done
+      const int next = tile + kAhead;
+      if (next < num_tiles) {
+        const int next_base = key_lo + next * TILE;
+        Pages::slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+        stage_tile(p, smem, next % STAGES, kv_head, next_base, key_lo, key_hi, block_shift, window, stager);
+      }
+      cp_async_commit();   // (an empty group at the end keeps wait_group's count in step)
+      u8* const next_decoded = decoded + ((tile + 1) % kDecodedBuffers) * kDecodedBufferBytes;
+      if (!WGMMA && kQuantized && tile + 1 < num_tiles)
+        decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, next_decoded, stager);
+      const u8* keys = kQuantized ? decoded + (tile % kDecodedBuffers) * kDecodedBufferBytes
+                                  : smem + (tile % STAGES) * kStageBytes;
+      const u8* values = keys + (kQuantized ? kDecodedTensorBytes : kRawTensorBytes);
+      const float* key_scales = reinterpret_cast<const float*>(keys + 2 * kDecodedTensorBytes);
+      const float* value_scales = key_scales + TILE;
+      const int base = key_lo + tile * TILE;
+      // Tiles no row of this warp (warpgroup) sees (causal, window): nothing to do.
+      const bool unseen = max_position < 0 || base > max_position ||
+                          (p.window != 0 && base + TILE - 1 <= min_position - p.window);
+
+      // Scores: thread (g, t) holds rows g (c0, c1) and g + 8 (c2, c3), tokens 8 n + 2t (+1).
+      float score[NT][4];
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) score[n][i] = 0.f;
+      if constexpr (WGMMA) {
+        // Issued, then the next tile decoded while they run.
+        if (!unseen) {
+          kvc_wgmma::hold(score);
+          kvc_wgmma::fence();
+          // k step kc: dims 16 kc.., 256 bytes on (a descriptor counts 16-byte units).
+          const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
+          const kvc_wgmma::u64 key_operand = kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
+#pragma unroll
+          for (int kc = 0; kc < KC; ++kc)
+            kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
+          kvc_wgmma::commit();
+        }
+        if (tile + 1 < num_tiles) decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, next_decoded, stager);
+        kvc_wgmma::wait<0>();   // these scores, and the previous tile's output products
+        kvc_wgmma::hold(score);
+        kvc_wgmma::hold(out);
+      }
+      if (unseen) continue;
+#pragma unroll
+      for (int kc = 0; kc < KC && !WGMMA; kc += 2) {
+        u32 q_high[2][4], q_low[2][4];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          ldmatrix_x4(q_high[k], query_lane + 32 * (kc + k));
+          ldmatrix_x4(q_low[k], query_lane + kQueryBytes + 32 * (kc + k));
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          // Matrices: tokens 8n.. x dims 16 kc, 16 kc + 8, 16 kc + 16, 16 kc + 24.
+          u32 b[4];
+          ldmatrix_x4(b, keys + (8 * n + (lane & 7)) * kDecodedStride + 2 * (16 * kc + 8 * (lane >> 3)));
+          mma<kBf16>(score[n], q_high[0], b[0], b[1]);
+          mma<kBf16>(score[n], q_low[0], b[0], b[1]);
+          mma<kBf16>(score[n], q_high[1], b[2], b[3]);
+          mma<kBf16>(score[n], q_low[1], b[2], b[3]);
+        }
+      }
+
+      u32 p_high[NT][2], p_low[kBf16 ? NT : 1][2];
+      rescale_out(softmax_tile(score, key_scales, value_scales, base, p_high, p_low));
+      // Output: k step j is tokens 16 j .. 16 j + 15, i.e. score tiles 2j, 2j + 1.
+      if constexpr (WGMMA) {   // waited for by the next tile's wait (or after the loop)
+        issue_values(p_high, values);
         kvc_wgmma::commit();
       }
 #pragma unroll

@@ -7,8 +7,9 @@ a temporary folder). Each imports CuPy and kvcupy and starts the CUDA context
 before its clock starts (the targets are "after imports"), then gets each of
 the kernels below and reads one of its attributes, which loads the module:
 the int4 decode kernel the planner takes for d = 128 and 8 KV heads (row
-staging), and the int4 prefill kernel at d = 128 in its sm_90 (wgmma, sm_90a)
-and mma.sync builds, the largest the planner launches for that shape. The
+staging), and the int4 prefill kernel at d = 128 in its sm_90 (wgmma, sm_90a,
+with and without the producer warpgroup) and mma.sync builds, the largest the
+planner launches for that shape. The
 first process compiles them; the others find them on disk. Prints one JSON
 object: seconds per process and kernel (wall time, and NVRTC's own).
 """
@@ -26,9 +27,11 @@ import time
 def _kernels() -> dict:
     from kvcupy.backends.cuda_attention import KV_INT4, STAGE_ROWS, Kernel, PrefillKernel
 
+    prefill_producer = PrefillKernel.planned(KV_INT4, 128, 16, True, producer=True)
     prefill_wgmma = PrefillKernel.planned(KV_INT4, 128, 16, True)
     prefill_mma = PrefillKernel.planned(KV_INT4, 128, 16, False)
     return {"decode": ("paged_attention", Kernel(KV_INT4, 128, 8, 1, 32, 16, STAGE_ROWS).defines, None),
+            "prefill_producer": ("prefill_attention", prefill_producer.defines, prefill_producer.arch),
             "prefill_wgmma": ("prefill_attention", prefill_wgmma.defines, prefill_wgmma.arch),
             "prefill_mma_sync": ("prefill_attention", prefill_mma.defines, prefill_mma.arch)}
 
