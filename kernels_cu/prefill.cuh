@@ -61,13 +61,16 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 // products while the next barrier, copies and score products are issued.
 
 // PRODUCER (wgmma builds): the last warpgroup stages and decodes the tiles while
-// the others (the consumers) only run the products and the softmax, ordered by
-// mbarriers instead of a block barrier a tile: per decoded buffer, "full" (the
-// producer's 128 threads have decoded a tile into it) and "empty" (every
-// consumer warp is done with its products). The producer then gives up most
-// of its registers (setmaxnreg) to the consumers.
+// the others (the consumers, 128 query rows) only run the products and the
+// softmax, ordered by mbarriers instead of a block barrier a tile: per decoded
+// buffer, "full" (the producer's 128 threads have decoded a tile into it) and
+// "empty" (every consumer thread is done with it). Past the block's prologue
+// the producer gives KVC_PRODUCER_REGS of its registers' worth back
+// (setmaxnreg) so that the consumers run on 224; they take FlashAttention-3's
+// intra-warpgroup order (run()): a tile's output products run under the next
+// tile's softmax.
 #ifndef KVC_PRODUCER_REGS
-#define KVC_PRODUCER_REGS 56
+#define KVC_PRODUCER_REGS 56   // the fewest that spill nothing (producer's loop; 40 spilled 16-120 bytes)
 #endif
 #ifndef KVC_DECODED_BUFFERS
 #define KVC_DECODED_BUFFERS 3
@@ -705,18 +708,27 @@ struct Prefill {
                                                  typename Pages::PageWindow& window, u8* full, u8* empty,
                                                  int stager) {
     u8* const decoded = smem + STAGES * kStageBytes;
-    // Groups committed before tile t's wait: STAGES + t, tile t's the t-th.
+    // Tile t's copies are the t-th group: the first STAGES went out before the
+    // loop, and each pass from the second on commits one group (tile t - 1 +
+    // STAGES, or none near the end). Before tile t's wait, STAGES groups are
+    // committed at t = 0 and STAGES + t - 1 after: all but STAGES - 1, then
+    // STAGES - 2, of them must have landed. (A first version also committed an
+    // empty group at t = 0 and waited for all but STAGES - 1 throughout: one
+    // group short from tile STAGES on, which compute-sanitizer's racecheck found.)
 #pragma unroll 1
     for (int tile = 0; tile < num_tiles; ++tile) {
-      cp_async_wait<STAGES - 1>();
+      if (tile == 0) cp_async_wait<STAGES - 1>();
+      else cp_async_wait<STAGES - 2>();
       producer_sync();
-      const int next = tile - 1 + STAGES;
-      if (tile >= 1 && next < num_tiles) {
-        const int next_base = key_lo + next * TILE;
-        Pages::slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
-        stage_tile(p, smem, next % STAGES, kv_head, next_base, key_lo, key_hi, block_shift, window, stager);
+      if (tile >= 1) {
+        const int next = tile - 1 + STAGES;
+        if (next < num_tiles) {
+          const int next_base = key_lo + next * TILE;
+          Pages::slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+          stage_tile(p, smem, next % STAGES, kv_head, next_base, key_lo, key_hi, block_shift, window, stager);
+        }
+        cp_async_commit();
       }
-      cp_async_commit();
       const int buffer = tile % kDecodedBuffers;
       if (tile >= kDecodedBuffers) mbarrier_wait(empty + 8 * buffer, (tile / kDecodedBuffers - 1) & 1);
       decode_tile(smem + (tile % STAGES) * kStageBytes, decoded + buffer * kDecodedBufferBytes, stager);
@@ -792,7 +804,7 @@ struct Prefill {
     if constexpr (PRODUCER) {
       if (threadIdx.x < kDecodedBuffers) {
         mbarrier_init(full + 8 * threadIdx.x, kStagers);
-        mbarrier_init(empty + 8 * threadIdx.x, kConsumerWarps);
+        mbarrier_init(empty + 8 * threadIdx.x, kConsumerThreads);   // every consumer thread, after its reads
       }
       __syncthreads();
     }
@@ -1007,10 +1019,7 @@ struct Prefill {
         kvc_wgmma::wait<0>();
         kvc_wgmma::hold(out);
         rescale_out(factor);   // (no product in flight) for tile's output products, issued next
-        if (tile >= 1) {   // this warp is done with tile - 1's buffer
-          __syncwarp();
-          if (lane == 0) mbarrier_arrive(empty + 8 * ((tile - 1) % kDecodedBuffers));
-        }
+        if (tile >= 1) mbarrier_arrive(empty + 8 * ((tile - 1) % kDecodedBuffers));   // done with tile - 1's buffer
 #pragma unroll
         for (int n = 0; n < NT; ++n) p_previous[n][0] = p_current[n][0], p_previous[n][1] = p_current[n][1];
         previous_values = values;

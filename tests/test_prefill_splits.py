@@ -38,9 +38,14 @@ def test_a_few_long_blocks_are_split():
 QUANTIZED = (ca.KV_INT4, ca.KV_INT8, ca.KV_FP8)
 
 
+@pytest.fixture
+def producer_on(monkeypatch):
+    monkeypatch.setattr(ca, "PREFILL_PRODUCER", True)
+
+
 @pytest.mark.parametrize("kv", QUANTIZED)
 @pytest.mark.parametrize("head_pad", (32, 96, 128))
-def test_long_prompts_take_the_producer_warpgroup(kv, head_pad):
+def test_long_prompts_take_the_producer_warpgroup(kv, head_pad, producer_on):
     """From PREFILL_PRODUCER_MIN_KEYS keys: 12 warps, of which the last warpgroup stages
     and decodes, so a block holds 128 query rows (8 consumer warps of 16)."""
     kernel = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_PRODUCER_MIN_KEYS)
@@ -50,7 +55,7 @@ def test_long_prompts_take_the_producer_warpgroup(kv, head_pad):
 
 
 @pytest.mark.parametrize("kv", QUANTIZED)
-def test_shorter_prompts_keep_three_warpgroups_of_rows(kv):
+def test_shorter_prompts_keep_three_warpgroups_of_rows(kv, producer_on):
     kernel = ca._prefill_kernel(kv, 128, 16, 90, ca.PREFILL_PRODUCER_MIN_KEYS - 1)
     assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile) == (True, False, 192)
     assert "KVC_PRODUCER" not in kernel.defines
@@ -58,10 +63,17 @@ def test_shorter_prompts_keep_three_warpgroups_of_rows(kv):
 
 @pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
 @pytest.mark.parametrize("capability", (80, 89, 90))
-def test_the_producer_only_serves_the_wgmma_build(kv, capability):
+def test_the_producer_only_serves_the_wgmma_build(kv, capability, producer_on):
     """Auto caches and GPUs without wgmma take the mma.sync build at any length."""
     kernel = ca._prefill_kernel(kv, 128, 16, capability, 1 << 20)
     wgmma = capability == 90 and kv in QUANTIZED
     assert (kernel.wgmma, kernel.producer) == (wgmma, wgmma)
     if not wgmma:
         assert kernel.rows_per_tile == 16 * kernel.warps
+
+
+@pytest.mark.parametrize("longest", (128, 1 << 20))
+def test_without_the_switch_no_length_takes_the_producer(longest, monkeypatch):
+    monkeypatch.setattr(ca, "PREFILL_PRODUCER", False)
+    kernel = ca._prefill_kernel(ca.KV_INT4, 128, 16, 90, longest)
+    assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile) == (True, False, 192)

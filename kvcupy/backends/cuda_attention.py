@@ -111,18 +111,20 @@ PREFILL_WGMMA = True
 # 64 x 128 0.29 vs 0.33 ms. (168 registers a thread; the spills sit in the
 # prologue and the epilogue, two spill instructions in the loop.)
 PREFILL_WGMMA_WARPS = 12
-# Long prompts take the wgmma build with a producer warpgroup (prefill.cuh,
-# PRODUCER): of its 12 warps, four stage and decode the tiles while two
-# warpgroups (128 query rows) run the products and the softmax, ordered by
-# mbarriers, the consumers on 224 registers (setmaxnreg), none spilled.
-# int4, blockdiag, d = 128, TFLOP/s against the 3-warpgroup build in one
-# process (H200, tools/prefill_variants.py): 4 x 8192 causal 283.6 / 285.3 vs
-# 273.5, 2048 new over 30720 cached 312.0 / 311.4 vs 284.5; int8 228-230 vs
-# 232 and 244 vs 238. Below PREFILL_PRODUCER_MIN_KEYS keys a sequence the
-# 192-row blocks win (fewer blocks, each key tile shared by more rows): 64 x
-# 128 0.263 vs 0.238 ms, 16 x 512 0.352 vs 0.314, 4 x 2048 0.684 vs 0.655
-# (1 x 2048 0.198 vs 0.209: the threshold sits between 2048 and 8192, 4096 unmeasured).
-PREFILL_PRODUCER = True
+# The wgmma build with a producer warpgroup (prefill.cuh, PRODUCER): of its 12
+# warps, four stage and decode the tiles while two warpgroups (128 query rows)
+# run the products and the softmax in FlashAttention-3's intra-warpgroup order,
+# ordered by mbarriers, on 224 registers (setmaxnreg), none spilled. Measured
+# (H200, tools/prefill_variants.py, int4, blockdiag, d = 128, TFLOP/s, against
+# the 3-warpgroup build in one process): 4 x 8192 causal 303.9 / 306.2 vs 274.6,
+# 2048 new over 30720 cached 336.5 / 336.9 vs 283.9; int8 238-240 vs 232; fp8
+# 230 vs 229. Below PREFILL_PRODUCER_MIN_KEYS keys a sequence the 192-row
+# blocks won (measured before the intra-warpgroup order: 64 x 128 0.263 vs
+# 0.238 ms, 16 x 512 0.352 vs 0.314, 4 x 2048 0.684 vs 0.655, 1 x 2048 0.198 vs
+# 0.209; 4096 sits between, unmeasured). OFF by default: those runs had the
+# producer's cp.async wait one group short (racecheck found it after them; see
+# prefill.cuh's produce()); the fixed kernel has not run on a GPU yet.
+PREFILL_PRODUCER = False
 PREFILL_PRODUCER_MIN_KEYS = 4096
 PREFILL_PRODUCER_BUFFERS = 3   # decoded tiles; 4 measured the same (int4 +0.6%, int8 -1%)
 
@@ -209,8 +211,8 @@ class PrefillKernel:
     @classmethod
     def planned(cls, kv: int, head_pad: int, chunk: int, wgmma: bool, producer: bool = False) -> "PrefillKernel":
         """The specialisation the planner takes: its tile, and warps by build;
-        `producer` asks for the wgmma build's producer warpgroup (PREFILL_PRODUCER allowing)."""
-        producer = wgmma and producer and PREFILL_PRODUCER
+        `producer` asks for the wgmma build's producer warpgroup."""
+        producer = wgmma and producer
         return cls(kv, head_pad, PREFILL_TILE, chunk, PREFILL_WGMMA_WARPS if wgmma else PREFILL_WARPS, wgmma, producer,
                    PREFILL_PRODUCER_BUFFERS if producer else 3)
 
@@ -618,10 +620,11 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
 
 def _prefill_kernel(kv: int, head_pad: int, chunk: int, capability: int, longest: int) -> PrefillKernel:
     """The prefill build for a batch whose longest sequence holds `longest` keys: wgmma
-    for quantized caches on sm_90, with the producer warpgroup from
-    PREFILL_PRODUCER_MIN_KEYS keys; mma.sync otherwise."""
+    for quantized caches on sm_90, with the producer warpgroup (PREFILL_PRODUCER)
+    from PREFILL_PRODUCER_MIN_KEYS keys; mma.sync otherwise."""
     wgmma = PREFILL_WGMMA and capability == 90 and kv in (KV_INT4, KV_INT8, KV_FP8)
-    return PrefillKernel.planned(kv, head_pad, chunk, wgmma, producer=longest >= PREFILL_PRODUCER_MIN_KEYS)
+    producer = PREFILL_PRODUCER and longest >= PREFILL_PRODUCER_MIN_KEYS
+    return PrefillKernel.planned(kv, head_pad, chunk, wgmma, producer=producer)
 
 
 def _fit_tile_to_splits(kernel, split_keys) -> tuple:
