@@ -966,6 +966,21 @@ struct Prefill {
         }
       }
     };
+    // wgmma: a tile's score products (the query rows and its decoded keys, both
+    // from shared memory), issued and committed.
+    auto issue_scores = [&](float (&score)[NT][4], const u8* keys) {
+      if constexpr (WGMMA) {
+        kvc_wgmma::hold(score);
+        kvc_wgmma::fence();
+        // k step kc: dims 16 kc.., 256 bytes on (a descriptor counts 16-byte units).
+        const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
+        const kvc_wgmma::u64 key_operand = kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc)
+          kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
+        kvc_wgmma::commit();
+      }
+    };
     // wgmma: a tile's output products (P from registers, the V rows of its decoded
     // buffer), issued (the caller commits them).
     auto issue_values = [&](const u32 (&p_high)[NT][2], const u8* values) {
@@ -1002,14 +1017,7 @@ struct Prefill {
         for (int n = 0; n < NT; ++n)
 #pragma unroll
           for (int i = 0; i < 4; ++i) score[n][i] = 0.f;
-        kvc_wgmma::hold(score);
-        kvc_wgmma::fence();
-        const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
-        const kvc_wgmma::u64 key_operand = kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
-#pragma unroll
-        for (int kc = 0; kc < KC; ++kc)
-          kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
-        kvc_wgmma::commit();
+        issue_scores(score, keys);
         if (tile > 0) issue_values(p_previous, previous_values);
         kvc_wgmma::commit();   // (empty at tile 0: complete at once)
         kvc_wgmma::wait<1>();   // the scores; the output products run on
@@ -1061,17 +1069,7 @@ struct Prefill {
         for (int i = 0; i < 4; ++i) score[n][i] = 0.f;
       if constexpr (WGMMA) {
         // Issued, then the next tile decoded while they run.
-        if (!unseen) {
-          kvc_wgmma::hold(score);
-          kvc_wgmma::fence();
-          // k step kc: dims 16 kc.., 256 bytes on (a descriptor counts 16-byte units).
-          const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
-          const kvc_wgmma::u64 key_operand = kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
-#pragma unroll
-          for (int kc = 0; kc < KC; ++kc)
-            kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
-          kvc_wgmma::commit();
-        }
+        if (!unseen) issue_scores(score, keys);
         if (tile + 1 < num_tiles) decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, next_decoded, stager);
         kvc_wgmma::wait<0>();   // these scores, and the previous tile's output products
         kvc_wgmma::hold(score);
