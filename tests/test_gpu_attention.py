@@ -237,6 +237,30 @@ def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, 
     check(f"prefill {build} {kv_dtype}/{model_dtype} d={head_size}", out, expected, np.float32)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(sliding_window=700), dict(softcap=5.0), dict(sinks=True)],
+                         ids=["plain", "window", "softcap", "sinks"])
+@pytest.mark.parametrize("kv_dtype,head_size", [("int4_per_token_head", 128), ("int8_per_token_head", 96),
+                                                ("fp8_per_token_head", 64)])
+def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, monkeypatch):
+    """The wgmma build with its producer warpgroup (PREFILL_PRODUCER, taken from
+    PREFILL_PRODUCER_MIN_KEYS keys): a chunk of 256 tokens over 5744 cached and a
+    prompt of 700 in one batch, so that the producer's raw stages and decoded
+    buffers wrap around many times (95 key tiles) and the consumers' output
+    products of each tile meet the next tile's softmax; blockdiag caches, the
+    query rotated in the kernel, and window, softcap or sinks."""
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the producer build is a wgmma build: sm_90 GPUs")
+    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", True)
+    chosen = []
+    planned = cuda_attention._prefill_kernel
+    monkeypatch.setattr(cuda_attention, "_prefill_kernel", lambda *args: chosen.append(planned(*args)) or chosen[-1])
+    options = dict(options, sinks=np.zeros(1)) if options.get("sinks") else options   # random logits in run_case
+    out, expected = run_case(kv_dtype=kv_dtype, head_size=head_size, seq_lens=(6000, 700), query_lens=(256, 700),
+                             rotation="blockdiag", seed=head_size, **options)
+    assert chosen and all(kernel.producer for kernel in chosen), chosen
+    check(f"prefill producer {kv_dtype} d={head_size} {options}", out, expected, np.float32)
+
+
 @pytest.mark.parametrize("block_size", (8, 32, 128))
 @pytest.mark.parametrize("group", (1, 8))
 @pytest.mark.parametrize("query_dtype", (np.float16, "bfloat16"))
