@@ -121,7 +121,8 @@ struct Prefill {
   static constexpr int kQueryTerms = WGMMA ? 1 : 2;
   static constexpr int kQueryBytes = 16 * (WGMMA ? 2 * HEAD_PAD : kDecodedStride);
   static constexpr int kWarpgroupQueryBytes = 4 * kQueryBytes;
-  static constexpr int kBarrierOffset = STAGES * kStageBytes + kDecodedBytes + kConsumerWarps * kQueryTerms * kQueryBytes;
+  static constexpr int kBarrierOffset =
+      STAGES * kStageBytes + kDecodedBytes + kConsumerWarps * kQueryTerms * kQueryBytes;
   static constexpr int kBarrierBytes = PRODUCER ? 2 * 8 * kDecodedBuffers : 0;   // full, then empty
   static constexpr int kSharedBytes = kBarrierOffset + kBarrierBytes;
   // Registers a thread (setmaxnreg): the launch bounds' 168 at 12 warps, the
