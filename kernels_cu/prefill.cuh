@@ -72,9 +72,6 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 #ifndef KVC_PRODUCER_REGS
 #define KVC_PRODUCER_REGS 56   // the fewest that spill nothing (producer's loop; 40 spilled 16-120 bytes)
 #endif
-#ifndef KVC_DECODED_BUFFERS
-#define KVC_DECODED_BUFFERS 3
-#endif
 
 template <int KV, int HEAD_PAD, int WARPS, int TILE, int STAGES, int CHUNK, bool WGMMA = false, bool PRODUCER = false>
 struct Prefill {
@@ -113,7 +110,7 @@ struct Prefill {
   // A decoded tile (quantized caches): K rows, V rows, then K and V scales as
   // floats; two of them (the next tile decoded while this one is used), three
   // with wgmma (and the one before still read by output products in flight).
-  static constexpr int kDecodedBuffers = PRODUCER ? KVC_DECODED_BUFFERS : WGMMA ? 3 : 2;
+  static constexpr int kDecodedBuffers = WGMMA ? 3 : 2;
   static constexpr int kDecodedBufferBytes = 2 * kDecodedTensorBytes + 2 * TILE * 4;
   static constexpr int kDecodedBytes = kQuantized ? kDecodedBuffers * kDecodedBufferBytes : 0;
   // Query rows of a warp, high or low halves: 16 rows as decoded ones. With

@@ -251,9 +251,14 @@ def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, mon
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the producer build is a wgmma build: sm_90 GPUs")
     monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", True)
-    chosen = []
-    planned = cuda_attention._prefill_kernel
-    monkeypatch.setattr(cuda_attention, "_prefill_kernel", lambda *args: chosen.append(planned(*args)) or chosen[-1])
+    chosen = []   # the builds the planner takes
+    plan_build = cuda_attention._prefill_kernel
+
+    def recorded_build(*args):
+        chosen.append(plan_build(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(cuda_attention, "_prefill_kernel", recorded_build)
     options = dict(options, sinks=np.zeros(1)) if options.get("sinks") else options   # random logits in run_case
     out, expected = run_case(kv_dtype=kv_dtype, head_size=head_size, seq_lens=(6000, 700), query_lens=(256, 700),
                              rotation="blockdiag", seed=head_size, **options)

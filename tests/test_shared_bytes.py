@@ -41,7 +41,7 @@ def launcher_kernel(defines: dict) -> Kernel | PrefillKernel:
     if "KVC_PREFILL_KV" in defines:
         return PrefillKernel(defines["KVC_PREFILL_KV"], defines["KVC_HEAD_PAD"], defines["KVC_TILE"],
                              defines["KVC_CHUNK"], defines["KVC_WARPS"], bool(defines.get("KVC_WGMMA", 0)),
-                             bool(defines.get("KVC_PRODUCER", 0)), defines.get("KVC_DECODED_BUFFERS", 3))
+                             bool(defines.get("KVC_PRODUCER", 0)))
     return Kernel(defines["KVC_ATTN_KV"], defines["KVC_HEAD_PAD"], defines["KVC_HEADS"], defines["KVC_QUADS"],
                   defines["KVC_TILE"], defines["KVC_CHUNK"], defines["KVC_STAGING"], defines["KVC_STAGES"])
 

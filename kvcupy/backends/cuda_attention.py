@@ -126,7 +126,6 @@ PREFILL_WGMMA_WARPS = 12
 # prefill.cuh's produce()); the fixed kernel has not run on a GPU yet.
 PREFILL_PRODUCER = False
 PREFILL_PRODUCER_MIN_KEYS = 4096
-PREFILL_PRODUCER_BUFFERS = 3   # decoded tiles; 4 measured the same (int4 +0.6%, int8 -1%)
 
 
 @dataclass(frozen=True)
@@ -203,7 +202,6 @@ class PrefillKernel:
     warps: int = PREFILL_WARPS
     wgmma: bool = False   # warpgroup products (sm_90a only; quantized caches)
     producer: bool = False   # with wgmma: the last warpgroup stages and decodes, the others compute
-    buffers: int = 3         # decoded tiles in shared memory (wgmma builds)
 
     entry = "prefill_attention"
     kv_heads_per_block = 1
@@ -213,8 +211,7 @@ class PrefillKernel:
         """The specialisation the planner takes: its tile, and warps by build;
         `producer` asks for the wgmma build's producer warpgroup."""
         producer = wgmma and producer
-        return cls(kv, head_pad, PREFILL_TILE, chunk, PREFILL_WGMMA_WARPS if wgmma else PREFILL_WARPS, wgmma, producer,
-                   PREFILL_PRODUCER_BUFFERS if producer else 3)
+        return cls(kv, head_pad, PREFILL_TILE, chunk, PREFILL_WGMMA_WARPS if wgmma else PREFILL_WARPS, wgmma, producer)
 
     @property
     def quantized(self) -> bool:
@@ -253,7 +250,6 @@ class PrefillKernel:
                    "KVC_MIN_BLOCKS": self.blocks_per_sm}
         if self.producer:
             defines["KVC_PRODUCER"] = 1
-            defines["KVC_DECODED_BUFFERS"] = self.buffers
         return {**defines, "KVC_WGMMA": 1} if self.wgmma else defines
 
     @property
@@ -265,7 +261,7 @@ class PrefillKernel:
         raw_stride = self.head_pad * bits // 8 if self.quantized else decoded_stride
         scales = 4 * self.tile if self.quantized else 0
         stage = 2 * self.tile * raw_stride + 2 * scales
-        buffers = self.buffers if self.producer else 3 if self.wgmma else 2
+        buffers = 3 if self.wgmma else 2
         decoded = buffers * (2 * self.tile * row + 2 * 4 * self.tile) if self.quantized else 0
         queries = self.consumer_warps * (1 if self.wgmma else 2) * 16 * row   # query terms: wgmma takes one
         barriers = 2 * 8 * buffers if self.producer else 0   # full and empty, a decoded buffer each
