@@ -246,17 +246,26 @@ struct Prefill {
             out.w = hfma2(lop_and_or(shifted, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 3, 7
             *reinterpret_cast<uint4*>(decoded_at(decoded, row, 8 * word)) = out;
           } else {
-            uint2 out;
-            if constexpr (KV == KV_INT8) {
-              // 1024 + 128 + code (the sign bit flipped into a bias), plus -1152.
-              constexpr u32 kOne = 0x3C003C00u, kBias = 0xE480E480u;
-              out.x = hfma2((prmt(code, 0u, 0x4140u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
-              out.y = hfma2((prmt(code, 0u, 0x4342u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
-            } else {
-              out.x = fp8_pair(prmt(code, 0u, 0x1404u));
-              out.y = fp8_pair(prmt(code, 0u, 0x3424u));
+            // Two words (8 dims: 16 contiguous bytes of a decoded row) a store: 8-byte
+            // stores into the core matrices left half of each wavefront unused.
+            static_assert(kRun % 2 == 0, "whole 8-dim runs");
+            if (v % 2) continue;
+            u32 pairs[4];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const u32 bytes = codes[v + half];
+              if constexpr (KV == KV_INT8) {
+                // 1024 + 128 + code (the sign bit flipped into a bias), plus -1152.
+                constexpr u32 kOne = 0x3C003C00u, kBias = 0xE480E480u;
+                pairs[2 * half] = hfma2((prmt(bytes, 0u, 0x4140u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
+                pairs[2 * half + 1] = hfma2((prmt(bytes, 0u, 0x4342u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
+              } else {
+                pairs[2 * half] = fp8_pair(prmt(bytes, 0u, 0x1404u));
+                pairs[2 * half + 1] = fp8_pair(prmt(bytes, 0u, 0x3424u));
+              }
             }
-            *reinterpret_cast<uint2*>(decoded_at(decoded, row, 4 * word)) = out;
+            *reinterpret_cast<uint4*>(decoded_at(decoded, row, 4 * word)) =
+                make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
           }
         }
       };
@@ -830,6 +839,10 @@ struct Prefill {
     u8* const query_rows = smem + STAGES * kStageBytes + kDecodedBytes +
                            (WGMMA ? (warp >> 2) * kWarpgroupQueryBytes : warp * 2 * kQueryBytes);
     float row_unscale[2];
+    // PRODUCER: the score products take the query from registers (rs_k): the
+    // high parts as the warp's A fragments, register 2h + r of k step kc holding
+    // row g + 8r, dims 16 kc + 8h + 2t (+1), so shared memory serves only K and V.
+    u32 query_fragments[PRODUCER ? KC : 1][4];
     {
       float values[KC][2][2][2];   // [kc][h][r][j]
       load_query(p, q_begin, row_begin, kv_head, row_valid, smem + STAGES * kStageBytes + kDecodedBytes, values);
@@ -863,7 +876,9 @@ struct Prefill {
             const u32 high = pack(v0, v1);
             const float2 rounded = unpack(high);
             const int dim = 16 * kc + 8 * h + 2 * t;
-            if constexpr (WGMMA) {   // the warpgroup's rows as core matrices, the high part alone
+            if constexpr (PRODUCER) {
+              query_fragments[kc][2 * h + r] = high;
+            } else if constexpr (WGMMA) {   // the warpgroup's rows as core matrices, the high part alone
               *reinterpret_cast<u32*>(query_rows + kvc_wgmma::core_offset(16 * (warp & 3) + g + 8 * r, dim,
                                                                           HEAD_PAD)) = high;
             } else {
@@ -874,9 +889,8 @@ struct Prefill {
           }
         }
       }
-      if constexpr (WGMMA) fence_proxy_async();   // read by wgmma after the loop's first barrier
+      if constexpr (WGMMA && !PRODUCER) fence_proxy_async();   // read by wgmma after the loop's first barrier
       __syncwarp();
-      if constexpr (PRODUCER) consumers_sync();   // the rows of every warp in place before the first products
     }
     trace_mark(kTraceQueryReady);
     const float exp_scale[2] = {row_unscale[0] * kLog2e, row_unscale[1] * kLog2e};
@@ -974,8 +988,10 @@ struct Prefill {
         const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
         const kvc_wgmma::u64 key_operand = kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
 #pragma unroll
-        for (int kc = 0; kc < KC; ++kc)
-          kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
+        for (int kc = 0; kc < KC; ++kc) {
+          if constexpr (PRODUCER) kvc_wgmma::Products<TILE>::rs_k(score, query_fragments[kc], key_operand + 16 * kc);
+          else kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
+        }
         kvc_wgmma::commit();
       }
     };

@@ -76,9 +76,10 @@ __device__ __forceinline__ void hold(float (&d)[J][4]) {
 #define KVC_R128 KVC_R96 ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
 // ss: A and B from shared memory, both K-major. rs_mn: A from registers, B
-// MN-major (B[k][n] with n contiguous: rows of a [token][dim] tile as B = V).
-// a0..a4: the operand numbers after the N / 2 accumulators.
-#define KVC_WGMMA_SHAPE(N, D, R, a0, a1, a2, a3, a4)                                                          \
+// MN-major (B[k][n] with n contiguous: rows of a [token][dim] tile as B = V);
+// rs_k: A from registers, B K-major (rows of a [token][dim] tile as B = K^T).
+// a0..a5: the operand numbers after the N / 2 accumulators.
+#define KVC_WGMMA_SHAPE(N, D, R, a0, a1, a2, a3, a4, a5)                                                          \
   template <>                                                                                                 \
   struct Products<N> {                                                                                        \
     static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b) {                           \
@@ -88,19 +89,26 @@ __device__ __forceinline__ void hold(float (&d)[J][4]) {
                                  : D : "l"(a), "l"(b)));                                                      \
     }                                                                                                         \
     static __device__ __forceinline__ void rs_mn(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {            \
+      rs<1>(d, a, b);                                                                                         \
+    }                                                                                                         \
+    static __device__ __forceinline__ void rs_k(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {             \
+      rs<0>(d, a, b);                                                                                         \
+    }                                                                                                         \
+    template <int TRANSPOSE_B>                                                                                \
+    static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {               \
       KVC_WGMMA_ASM(asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                 \
                                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" R "}, {%" #a0     \
-                                 ", %" #a1 ", %" #a2 ", %" #a3 "}, %" #a4 ", p, 1, 1, 1;\n}\n"                \
-                                 : D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)));                  \
+                                 ", %" #a1 ", %" #a2 ", %" #a3 "}, %" #a4 ", p, 1, 1, %" #a5 ";\n}\n"          \
+                                 : D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TRANSPOSE_B)));  \
     }                                                                                                         \
   };
 
 template <int N>
 struct Products;
-KVC_WGMMA_SHAPE(32, KVC_D32, KVC_R32, 16, 17, 18, 19, 20)
-KVC_WGMMA_SHAPE(64, KVC_D64, KVC_R64, 32, 33, 34, 35, 36)
-KVC_WGMMA_SHAPE(96, KVC_D96, KVC_R96, 48, 49, 50, 51, 52)
-KVC_WGMMA_SHAPE(128, KVC_D128, KVC_R128, 64, 65, 66, 67, 68)
+KVC_WGMMA_SHAPE(32, KVC_D32, KVC_R32, 16, 17, 18, 19, 20, 21)
+KVC_WGMMA_SHAPE(64, KVC_D64, KVC_R64, 32, 33, 34, 35, 36, 37)
+KVC_WGMMA_SHAPE(96, KVC_D96, KVC_R96, 48, 49, 50, 51, 52, 53)
+KVC_WGMMA_SHAPE(128, KVC_D128, KVC_R128, 64, 65, 66, 67, 68, 69)
 
 #undef KVC_WGMMA_SHAPE
 #undef KVC_D

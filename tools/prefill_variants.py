@@ -10,6 +10,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
   "defines":    extra -D defines
   "wgmma":      false: the mma.sync build on sm_90 too (cuda_attention.PREFILL_WGMMA)
   "producer":   the wgmma build with or without its producer warpgroup (cuda_attention.PREFILL_PRODUCER)
+  "producer_min_keys": keys a sequence from which the planner takes the producer build
+                (cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
   "rotation":   the caches' rotation kind (default "none"; the bench's caches use "blockdiag")
   "min_rows":   query rows a sequence (per KV head) from which the planner takes the
                 prefill kernel (cuda_attention.PREFILL_MIN_ROWS; fewer: the decode kernel's row tiles)
@@ -89,7 +91,7 @@ def with_variant(variant: dict, run):
              cuda_attention.PREFILL_WGMMA_WARPS, cuda_attention.PrefillKernel.defines,
              cuda_attention.PREFILL_WGMMA, os.environ.get(jit.SOURCE_DIR_ENV), cuda_attention.PREFILL_MIN_ROWS,
              cuda_attention.choose_prefill_splits, cuda_attention.PREFILL_SPLIT_GAIN,
-             cuda_attention.PREFILL_PRODUCER)
+             cuda_attention.PREFILL_PRODUCER, cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
     plain_defines = saved[4].fget
     if "splits" in variant:
         cuda_attention.choose_prefill_splits = lambda *args: variant["splits"]
@@ -99,6 +101,8 @@ def with_variant(variant: dict, run):
     cuda_attention.PREFILL_MIN_BLOCKS = variant.get("min_blocks", cuda_attention.PREFILL_MIN_BLOCKS)
     cuda_attention.PREFILL_WGMMA = variant.get("wgmma", cuda_attention.PREFILL_WGMMA)
     cuda_attention.PREFILL_PRODUCER = variant.get("producer", cuda_attention.PREFILL_PRODUCER)
+    cuda_attention.PREFILL_PRODUCER_MIN_KEYS = variant.get("producer_min_keys",
+                                                           cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
     if "warps" in variant:   # either build
         cuda_attention.PREFILL_WARPS = cuda_attention.PREFILL_WGMMA_WARPS = variant["warps"]
     cuda_attention.PrefillKernel.defines = property(lambda k: {**plain_defines(k), **variant.get("defines", {})})
@@ -111,7 +115,7 @@ def with_variant(variant: dict, run):
          cuda_attention.PREFILL_WGMMA_WARPS, cuda_attention.PrefillKernel.defines,
          cuda_attention.PREFILL_WGMMA, source, cuda_attention.PREFILL_MIN_ROWS,
          cuda_attention.choose_prefill_splits, cuda_attention.PREFILL_SPLIT_GAIN,
-         cuda_attention.PREFILL_PRODUCER) = saved
+         cuda_attention.PREFILL_PRODUCER, cuda_attention.PREFILL_PRODUCER_MIN_KEYS) = saved
         if source is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
         else:

@@ -115,17 +115,16 @@ PREFILL_WGMMA_WARPS = 12
 # warps, four stage and decode the tiles while two warpgroups (128 query rows)
 # run the products and the softmax in FlashAttention-3's intra-warpgroup order,
 # ordered by mbarriers, on 224 registers (setmaxnreg), none spilled. Measured
-# (H200, tools/prefill_variants.py, int4, blockdiag, d = 128, TFLOP/s, against
-# the 3-warpgroup build in one process): 4 x 8192 causal 303.9 / 306.2 vs 274.6,
-# 2048 new over 30720 cached 336.5 / 336.9 vs 283.9; int8 238-240 vs 232; fp8
-# 230 vs 229. Below PREFILL_PRODUCER_MIN_KEYS keys a sequence the 192-row
-# blocks won (measured before the intra-warpgroup order: 64 x 128 0.263 vs
-# 0.238 ms, 16 x 512 0.352 vs 0.314, 4 x 2048 0.684 vs 0.655, 1 x 2048 0.198 vs
-# 0.209; 4096 sits between, unmeasured). OFF by default: those runs had the
-# producer's cp.async wait one group short (racecheck found it after them; see
-# prefill.cuh's produce()); the fixed kernel has not run on a GPU yet.
-PREFILL_PRODUCER = False
-PREFILL_PRODUCER_MIN_KEYS = 4096
+# (H200, tools/prefill_variants.py, blockdiag, d = 128, TFLOP/s, against the
+# 3-warpgroup build in one process, 2026-12-02 after the race fix): int4 4 x 8192
+# causal 301.5 vs 273.3, 2048 new over 30720 cached 331.0 vs 282.1; int8 239.1 /
+# 254.1 vs 230.7 / 236.0; fp8 233.7 / 248.1 vs 227.9 / 232.3; d = 96 271.8 /
+# 294.8 vs 235.5 / 241.1. Short prompts (ms, producer vs 3 warpgroups): 64 x 128
+# 0.258 vs 0.238, 16 x 512 0.324 vs 0.315, 1 x 2048 0.185 vs 0.210, 4 x 2048
+# 0.634 vs 0.654, 1 x 4096 0.522 vs 0.625: the producer build from
+# PREFILL_PRODUCER_MIN_KEYS keys a sequence (between 512 and 2048: unmeasured).
+PREFILL_PRODUCER = True
+PREFILL_PRODUCER_MIN_KEYS = 2048
 
 
 @dataclass(frozen=True)
