@@ -95,13 +95,15 @@ struct Prefill {
   static constexpr int kDimBits = KV == KV_INT4 ? 4 : kQuantized ? 8 : 16;
   static constexpr int kRowBytes = HEAD_PAD * kDimBits / 8;   // a staged row (one KV head)
   // Staged rows: quantized ones are only read by the decoding pass (a run of
-  // consecutive words of one row a thread; unpadded, so those 16-byte reads
-  // conflict 2-way when a run is half a row); fp16 rows go straight to
-  // ldmatrix and take the padding of decoded rows.
+  // consecutive words of one row a thread, the threads of a warp on
+  // consecutive rows), their stride an odd number of 16-byte units, so that
+  // the 8 rows of a 128-byte span fall in distinct banks (unpadded rows of 128
+  // bytes put a warp's 16-byte reads in one bank group: 8-way conflicts); fp16
+  // rows go straight to ldmatrix and take the padding of decoded rows.
   // A decoded row: HEAD_PAD fp16 values + 16 bytes, so the 8 rows of an
   // ldmatrix fall in distinct banks (the stride is 16 or 80 modulo 128).
   static constexpr int kDecodedStride = 2 * HEAD_PAD + 16;
-  static constexpr int kRawStride = kQuantized ? kRowBytes : kDecodedStride;
+  static constexpr int kRawStride = !kQuantized ? kDecodedStride : kRowBytes % 32 == 0 ? kRowBytes + 16 : kRowBytes;
   static constexpr int kRawTensorBytes = TILE * kRawStride;
   static constexpr int kRawScaleBytes = kQuantized ? TILE * 4 : 0;
   static constexpr int kStageBytes = 2 * kRawTensorBytes + 2 * kRawScaleBytes;
@@ -217,55 +219,62 @@ struct Prefill {
         // at 1024 is 1); of -(64 + zp): 0xD400 + 16 zp (ulp 1/16).
         const u32 zp = KV == KV_INT4 ? scale_words[row] & 0xFu : 0u;
         const u32 low_bias = (0xE400u + zp) * 0x10001u, high_bias = (0xD400u + 16u * zp) * 0x10001u;
-        // Every load first: the decoding then waits on shared memory once.
-        u32 codes[kRun];
+        // Every load of a batch first: the decoding then waits on shared memory
+        // once a batch, of at most 16 words (32 at once spilled 80 bytes of the
+        // producer's 56 registers, int8 at d = 128).
+        constexpr int kBatch = kRun <= 16 ? kRun : kRun % 16 == 0 ? 16 : kRun / 2;   // 32 -> 16, 24 -> 12
+        static_assert(kRun % kBatch == 0 && kBatch % kVector == 0, "whole batches of whole loads");
 #pragma unroll
-        for (int v = 0; v < kRun; v += kVector) {
-          const u8* source = stage + 4 * (first + v);
-          if constexpr (kVector == 4) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(source);
-            codes[v] = raw.x, codes[v + 1] = raw.y, codes[v + 2] = raw.z, codes[v + 3] = raw.w;
-          } else if constexpr (kVector == 2) {
-            const uint2 raw = *reinterpret_cast<const uint2*>(source);
-            codes[v] = raw.x, codes[v + 1] = raw.y;
-          } else {
-            codes[v] = *reinterpret_cast<const u32*>(source);
-          }
-        }
+        for (int batch = 0; batch < kRun; batch += kBatch) {
+          u32 codes[kBatch];
 #pragma unroll
-        for (int v = 0; v < kRun; ++v) {
-          const u32 code = codes[v];
-          const int word = word0 + v;
-          if constexpr (KV == KV_INT4) {
-            constexpr u32 kOne = 0x3C003C00u, kSixteenth = 0x2C002C00u;
-            const u32 shifted = code >> 8;
-            uint4 out;
-            out.x = hfma2(lop_and_or(code, 0x000F000Fu, 0x64006400u), kOne, low_bias);          // channels 0, 4
-            out.y = hfma2(lop_and_or(code, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 1, 5
-            out.z = hfma2(lop_and_or(shifted, 0x000F000Fu, 0x64006400u), kOne, low_bias);       // 2, 6
-            out.w = hfma2(lop_and_or(shifted, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 3, 7
-            *reinterpret_cast<uint4*>(decoded_at(decoded, row, 8 * word)) = out;
-          } else {
-            // Two words (8 dims: 16 contiguous bytes of a decoded row) a store: 8-byte
-            // stores into the core matrices left half of each wavefront unused.
-            static_assert(kRun % 2 == 0, "whole 8-dim runs");
-            if (v % 2) continue;
-            u32 pairs[4];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const u32 bytes = codes[v + half];
-              if constexpr (KV == KV_INT8) {
-                // 1024 + 128 + code (the sign bit flipped into a bias), plus -1152.
-                constexpr u32 kOne = 0x3C003C00u, kBias = 0xE480E480u;
-                pairs[2 * half] = hfma2((prmt(bytes, 0u, 0x4140u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
-                pairs[2 * half + 1] = hfma2((prmt(bytes, 0u, 0x4342u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
-              } else {
-                pairs[2 * half] = fp8_pair(prmt(bytes, 0u, 0x1404u));
-                pairs[2 * half + 1] = fp8_pair(prmt(bytes, 0u, 0x3424u));
-              }
+          for (int v = 0; v < kBatch; v += kVector) {
+            const u8* source = stage + row * kRawStride + 4 * (word0 + batch + v);
+            if constexpr (kVector == 4) {
+              const uint4 raw = *reinterpret_cast<const uint4*>(source);
+              codes[v] = raw.x, codes[v + 1] = raw.y, codes[v + 2] = raw.z, codes[v + 3] = raw.w;
+            } else if constexpr (kVector == 2) {
+              const uint2 raw = *reinterpret_cast<const uint2*>(source);
+              codes[v] = raw.x, codes[v + 1] = raw.y;
+            } else {
+              codes[v] = *reinterpret_cast<const u32*>(source);
             }
-            *reinterpret_cast<uint4*>(decoded_at(decoded, row, 4 * word)) =
-                make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+          }
+#pragma unroll
+          for (int v = 0; v < kBatch; ++v) {
+            const u32 code = codes[v];
+            const int word = word0 + batch + v;
+            if constexpr (KV == KV_INT4) {
+              constexpr u32 kOne = 0x3C003C00u, kSixteenth = 0x2C002C00u;
+              const u32 shifted = code >> 8;
+              uint4 out;
+              out.x = hfma2(lop_and_or(code, 0x000F000Fu, 0x64006400u), kOne, low_bias);          // channels 0, 4
+              out.y = hfma2(lop_and_or(code, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 1, 5
+              out.z = hfma2(lop_and_or(shifted, 0x000F000Fu, 0x64006400u), kOne, low_bias);       // 2, 6
+              out.w = hfma2(lop_and_or(shifted, 0x00F000F0u, 0x64006400u), kSixteenth, high_bias);  // 3, 7
+              *reinterpret_cast<uint4*>(decoded_at(decoded, row, 8 * word)) = out;
+            } else {
+              // Two words (8 dims: 16 contiguous bytes of a decoded row) a store: 8-byte
+              // stores into the core matrices left half of each wavefront unused.
+              static_assert(kBatch % 2 == 0, "whole 8-dim runs");
+              if (v % 2) continue;
+              u32 pairs[4];
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const u32 bytes = codes[v + half];
+                if constexpr (KV == KV_INT8) {
+                  // 1024 + 128 + code (the sign bit flipped into a bias), plus -1152.
+                  constexpr u32 kOne = 0x3C003C00u, kBias = 0xE480E480u;
+                  pairs[2 * half] = hfma2((prmt(bytes, 0u, 0x4140u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
+                  pairs[2 * half + 1] = hfma2((prmt(bytes, 0u, 0x4342u) ^ 0x00800080u) | 0x64006400u, kOne, kBias);
+                } else {
+                  pairs[2 * half] = fp8_pair(prmt(bytes, 0u, 0x1404u));
+                  pairs[2 * half + 1] = fp8_pair(prmt(bytes, 0u, 0x3424u));
+                }
+              }
+              *reinterpret_cast<uint4*>(decoded_at(decoded, row, 4 * word)) =
+                  make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+            }
           }
         }
       };

@@ -257,7 +257,9 @@ class PrefillKernel:
         bits = 4 if self.kv == KV_INT4 else 8 if self.quantized else 16
         decoded_stride = 2 * self.head_pad + 16
         row = 2 * self.head_pad if self.wgmma else decoded_stride   # wgmma: unpadded core matrices
-        raw_stride = self.head_pad * bits // 8 if self.quantized else decoded_stride
+        row_bytes = self.head_pad * bits // 8
+        # quantized rows: an odd number of 16-byte units apart (decoding reads them bank-conflict free)
+        raw_stride = (row_bytes + 16 * (row_bytes % 32 == 0)) if self.quantized else decoded_stride
         scales = 4 * self.tile if self.quantized else 0
         stage = 2 * self.tile * raw_stride + 2 * scales
         buffers = 3 if self.wgmma else 2
