@@ -79,7 +79,7 @@ __device__ __forceinline__ void hold(float (&d)[J][4]) {
 // MN-major (B[k][n] with n contiguous: rows of a [token][dim] tile as B = V);
 // rs_k: A from registers, B K-major (rows of a [token][dim] tile as B = K^T).
 // a0..a5: the operand numbers after the N / 2 accumulators.
-#define KVC_WGMMA_SHAPE(N, D, R, a0, a1, a2, a3, a4, a5)                                                          \
+#define KVC_WGMMA_SHAPE(N, D, R, a0, a1, a2, a3, a4, a5)                                                      \
   template <>                                                                                                 \
   struct Products<N> {                                                                                        \
     static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b) {                           \
@@ -98,8 +98,8 @@ __device__ __forceinline__ void hold(float (&d)[J][4]) {
     static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {               \
       KVC_WGMMA_ASM(asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                 \
                                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" R "}, {%" #a0     \
-                                 ", %" #a1 ", %" #a2 ", %" #a3 "}, %" #a4 ", p, 1, 1, %" #a5 ";\n}\n"          \
-                                 : D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TRANSPOSE_B)));  \
+                                 ", %" #a1 ", %" #a2 ", %" #a3 "}, %" #a4 ", p, 1, 1, %" #a5 ";\n}\n"         \
+                                 : D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TRANSPOSE_B))); \
     }                                                                                                         \
   };
 
