@@ -996,12 +996,16 @@ struct Prefill {
         kvc_wgmma::hold(score);
         kvc_wgmma::fence();
         // k step kc: dims 16 kc.., 256 bytes on (a descriptor counts 16-byte units).
-        const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
         const kvc_wgmma::u64 key_operand = kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
+        if constexpr (PRODUCER) {   // the query from registers
 #pragma unroll
-        for (int kc = 0; kc < KC; ++kc) {
-          if constexpr (PRODUCER) kvc_wgmma::Products<TILE>::rs_k(score, query_fragments[kc], key_operand + 16 * kc);
-          else kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
+          for (int kc = 0; kc < KC; ++kc)
+            kvc_wgmma::Products<TILE>::rs_k(score, query_fragments[kc], key_operand + 16 * kc);
+        } else {   // the query rows from shared memory
+          const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
+#pragma unroll
+          for (int kc = 0; kc < KC; ++kc)
+            kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
         }
         kvc_wgmma::commit();
       }
