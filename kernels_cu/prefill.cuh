@@ -80,8 +80,7 @@ struct Prefill {
   static_assert(HEAD_PAD % 32 == 0 && HEAD_PAD <= 128, "head size class: 32 .. 128");
   static_assert(TILE % 16 == 0 && TILE <= 128, "tiles are whole 16-token k steps");
   static_assert(CHUNK == 1 || CHUNK == 4 || CHUNK == 8 || CHUNK == 16, "copy granule");
-  static_assert(!WGMMA || ((KV == KV_INT4 || KV == KV_INT8 || KV == KV_FP8) && WARPS % 4 == 0 && TILE % 32 == 0),
-                "wgmma: quantized caches, whole warpgroups, tiles of 32 .. 128 tokens");
+  static_assert(!WGMMA || (WARPS % 4 == 0 && TILE % 32 == 0), "wgmma: whole warpgroups, tiles of 32 .. 128 tokens");
   static_assert(!PRODUCER || (WGMMA && WARPS >= 8), "a producer warpgroup beside consumer warpgroups (wgmma)");
   static constexpr int kThreads = 32 * WARPS;
   static constexpr int kConsumerWarps = PRODUCER ? WARPS - 4 : WARPS;   // warps with query rows
@@ -91,8 +90,19 @@ struct Prefill {
   static constexpr int KC = HEAD_PAD / 16;          // k steps of the score product
   static constexpr int NT = TILE / 8;               // score n tiles (8 tokens)
   static constexpr int ND = HEAD_PAD / 8;           // output n tiles (8 dims)
-  static constexpr bool kBf16 = KV == KV_BF16;
   static constexpr bool kQuantized = KV == KV_INT4 || KV == KV_INT8 || KV == KV_FP8;
+  // Tiles decoded into fp16 rows and per-token scales before the products:
+  // quantized caches, and 16-bit ones in wgmma builds (decode_tile: fp16 rows
+  // copied, bf16 rows converted with a power-of-two scale a row).
+  static constexpr bool kDecoded = kQuantized || WGMMA;
+  // bf16 operands (the mma.sync build over bf16 rows read in place): P then
+  // enters as a two-term split. Every other build's operands are fp16.
+  static constexpr bool kBf16 = KV == KV_BF16 && !kDecoded;
+  // The P operand is p x V scale / R times this (a power of two): 16-bit rows'
+  // decoded values reach 2^14 (bf16) or 65504 (fp16) where codes stay below
+  // 2^7, so P has room above 1, and a token whose V scale is far below R keeps
+  // its fp16 precision (p x scale / R below 2^-14 would be subnormal).
+  static constexpr float kProbabilityLift = kDecoded && !kQuantized ? 1024.f : 1.f;
   static constexpr float kLog2e = 1.4426950408889634f;
   static constexpr int kDimBits = KV == KV_INT4 ? 4 : kQuantized ? 8 : 16;
   static constexpr int kRowBytes = HEAD_PAD * kDimBits / 8;   // a staged row (one KV head)
@@ -116,7 +126,7 @@ struct Prefill {
   // with wgmma (and the one before still read by output products in flight).
   static constexpr int kDecodedBuffers = WGMMA ? 3 : 2;
   static constexpr int kDecodedBufferBytes = 2 * kDecodedTensorBytes + 2 * TILE * 4;
-  static constexpr int kDecodedBytes = kQuantized ? kDecodedBuffers * kDecodedBufferBytes : 0;
+  static constexpr int kDecodedBytes = kDecoded ? kDecodedBuffers * kDecodedBufferBytes : 0;
   // Query rows of a warp, high or low halves: 16 rows as decoded ones. With
   // wgmma, a warpgroup's 64 rows, one fp16 term (kQueryTerms: see run()).
   static constexpr int kQueryTerms = WGMMA ? 1 : 2;
@@ -148,8 +158,10 @@ struct Prefill {
     return logical;
   }
 
-  static __device__ __forceinline__ u32 pack(float lo, float hi) { return Pages::pack(lo, hi); }
-  static __device__ __forceinline__ float2 unpack(u32 x) { return Pages::unpack(x); }
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    return kBf16 ? pack_bf162(lo, hi) : pack_half2(lo, hi);
+  }
+  static __device__ __forceinline__ float2 unpack(u32 x) { return kBf16 ? unpack_bf162(x) : unpack_half2(x); }
 
   // Stage `stage` <- raw K / V rows (and scale words) of tokens base .. base + TILE - 1
   // in [lo, hi) of KV head `head`; other tokens, and ids outside the cache, zero-filled.
@@ -292,7 +304,70 @@ struct Prefill {
         scales[c] = __uint_as_float(KV == KV_INT4 ? bits & ~0xFu : bits) * kCodeUnit;
       }
       if constexpr (WGMMA) fence_proxy_async();   // the rows are wgmma operands next (async proxy)
+    } else if constexpr (kDecoded) {
+      // 16-bit rows (wgmma builds), a whole row a thread: fp16 ones copied (scale
+      // 1); a bf16 row, whose values may lie outside fp16's range, times the power
+      // of two up = 2^(140 - E) that brings its largest |x| (biased exponent E)
+      // into [2^13, 2^14), the row's scale 1 / up. Exact for every value within
+      // 2^-30 of the row's largest (8 significant bits, fp16's subnormals reach
+      // 2^-24); the smaller ones round to fp16, off by less than 2^-38 of the
+      // largest. E at least 14 keeps both powers normal floats; a row with an
+      // inf or a NaN (E = 255) keeps scale 1, so the non-finite value stays one.
+      constexpr int kWordsPerRow = kRowBytes / 4;
+      // Words loaded before they are used: 16 (8 where bf16 converts them: 16
+      // spilled 108 bytes of the producer's registers at d = 128).
+      constexpr int kBatch = KV == KV_BF16 ? 8 : 16;
+      static_assert(kWordsPerRow % 16 == 0, "whole batches: head sizes are multiples of 32");
+      float* scales = reinterpret_cast<float*>(decoded + 2 * kDecodedTensorBytes);
+#pragma unroll 1
+      for (int row = stager; row < 2 * TILE; row += kStagers) {   // K rows, then V rows
+        const u8* source = stage + row * kRawStride;
+        float up = 1.f, scale = 1.f;
+        if constexpr (KV == KV_BF16) {
+          u32 largest = 0;   // |x|'s bits, a pair of halves: their order is the values'
+#pragma unroll
+          for (int batch = 0; batch < kWordsPerRow; batch += kBatch) {
+            uint4 raw[kBatch / 4];
+#pragma unroll
+            for (int v = 0; v < kBatch / 4; ++v) raw[v] = *reinterpret_cast<const uint4*>(source + 4 * (batch + 4 * v));
+#pragma unroll
+            for (int v = 0; v < kBatch / 4; ++v)
+              largest = max_u16x2(largest, max_u16x2(max_u16x2(raw[v].x & 0x7FFF7FFFu, raw[v].y & 0x7FFF7FFFu),
+                                                     max_u16x2(raw[v].z & 0x7FFF7FFFu, raw[v].w & 0x7FFF7FFFu)));
+          }
+          const u32 exponent = max(max(largest & 0xFFFFu, largest >> 16) >> 7, 14u);
+          if (exponent < 255u) up = __uint_as_float((267u - exponent) << 23), scale = __uint_as_float((exponent - 13u) << 23);
+        }
+#pragma unroll
+        for (int batch = 0; batch < kWordsPerRow; batch += kBatch) {
+          uint4 raw[kBatch / 4];
+#pragma unroll
+          for (int v = 0; v < kBatch / 4; ++v) raw[v] = *reinterpret_cast<const uint4*>(source + 4 * (batch + 4 * v));
+#pragma unroll
+          for (int v = 0; v < kBatch / 4; ++v) {
+            if constexpr (KV == KV_BF16)
+              raw[v] = make_uint4(scaled_half2(raw[v].x, up), scaled_half2(raw[v].y, up), scaled_half2(raw[v].z, up),
+                                  scaled_half2(raw[v].w, up));
+            // 8 dims: 16 contiguous bytes of a core matrix's row
+            *reinterpret_cast<uint4*>(decoded_at(decoded, row, 2 * (batch + 4 * v))) = raw[v];
+          }
+        }
+        scales[row] = scale;
+      }
+      fence_proxy_async();   // the rows are wgmma operands next (async proxy)
     }
+  }
+
+  // Unsigned maxima of the 16-bit halves of a and b (sm_90).
+  static __device__ __forceinline__ u32 max_u16x2(u32 a, u32 b) {
+    u32 r;
+    asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+  }
+
+  // A bf16 pair times `up` (a power of two), as an fp16 pair.
+  static __device__ __forceinline__ u32 scaled_half2(u32 pair, float up) {
+    return pack_half2(__uint_as_float(pair << 16) * up, __uint_as_float(pair & 0xFFFF0000u) * up);
   }
 
   // Scores of a tile in "row units": z = (q x 2^k) . k x key scale, the row's
@@ -312,7 +387,7 @@ struct Prefill {
       for (int c = 0; c < 4; ++c) chain[r][c] = -KVC_INFINITY;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      const float2 key_scale = kQuantized ? *reinterpret_cast<const float2*>(key_scales + 8 * n + 2 * t)
+      const float2 key_scale = kDecoded ? *reinterpret_cast<const float2*>(key_scales + 8 * n + 2 * t)
                                           : make_float2(1.f, 1.f);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -346,8 +421,8 @@ struct Prefill {
     float chain[2][4] = {};   // four independent sums a row, as in row_unit_scores
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      float2 value_scale = kQuantized ? *reinterpret_cast<const float2*>(value_scales + 8 * n + 2 * t)
-                                      : make_float2(1.f, 1.f);
+      float2 value_scale = kDecoded ? *reinterpret_cast<const float2*>(value_scales + 8 * n + 2 * t)
+                                    : make_float2(1.f, 1.f);
       value_scale.x *= to_reference;
       value_scale.y *= to_reference;
       float w[4];
@@ -355,8 +430,8 @@ struct Prefill {
       for (int i = 0; i < 4; ++i) {
         const float prob = fast_exp2(fmaf(score[n][i], exp_scale[i >> 1], -shift[i >> 1]));
         chain[i >> 1][2 * (n & 1) + (i & 1)] += prob;
-        w[i] = kQuantized ? prob * (i & 1 ? value_scale.y : value_scale.x) : prob;
-        if (kQuantized && MASKED && prob == 0.f) w[i] = 0.f;
+        w[i] = kDecoded ? prob * (i & 1 ? value_scale.y : value_scale.x) : prob;
+        if (kDecoded && MASKED && prob == 0.f) w[i] = 0.f;
       }
       p_high[n][0] = pack(w[0], w[1]);
       p_high[n][1] = pack(w[2], w[3]);
@@ -815,7 +890,7 @@ struct Prefill {
     // barrier a tile orders everything: after it, every thread is done with
     // tile - 1's products (the buffer decoded next) and with decoding tile
     // (whose raw stage is refilled next), and tile + 1's copies have landed.
-    constexpr int kAhead = kQuantized ? STAGES : STAGES - 1;
+    constexpr int kAhead = kDecoded ? STAGES : STAGES - 1;
     // PRODUCER: the decoded buffers' barriers, and only the producer stages.
     u8* const full = smem + kBarrierOffset;
     u8* const empty = full + 8 * kDecodedBuffers;
@@ -914,10 +989,10 @@ struct Prefill {
 #pragma unroll
       for (int i = 0; i < 4; ++i) out[n][i] = 0.f;
     float running_max[2] = {-KVC_INFINITY, -KVC_INFINITY}, running_sum[2] = {0.f, 0.f};
-    float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
+    float reference = kDecoded ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
     u8* const decoded = smem + STAGES * kStageBytes;
-    if (!PRODUCER && kQuantized && num_tiles > 0) {
+    if (!PRODUCER && kDecoded && num_tiles > 0) {
       cp_async_wait<STAGES - 1>();
       __syncthreads();
       trace_mark(kTraceFirstLanded);
@@ -942,7 +1017,7 @@ struct Prefill {
         row_unit_scores<true>(score, key_scales, p, base, t, key_hi, row_position, row_valid, row_unscale, tile_max);
       // V scales of the tile: the new reference R.
       float tile_reference = reference;
-      if constexpr (kQuantized) {
+      if constexpr (kDecoded) {
         float chain[4] = {};   // independent chains, as in row_unit_scores
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
@@ -956,7 +1031,7 @@ struct Prefill {
       }
       const float rescale_values = tile_reference == reference ? 1.f
                                    : tile_reference > 0.f ? __fdividef(reference, tile_reference) : 0.f;
-      const float to_reference = tile_reference > 0.f ? __fdividef(1.f, tile_reference) : 1.f;
+      const float to_reference = tile_reference > 0.f ? __fdividef(kProbabilityLift, tile_reference) : kProbabilityLift;
       reference = tile_reference;
 
       float alpha[2], shift[2];
@@ -1080,9 +1155,9 @@ struct Prefill {
       u8* const next_decoded = decoded + ((tile + 1) % kDecodedBuffers) * kDecodedBufferBytes;
       if (!WGMMA && kQuantized && tile + 1 < num_tiles)
         decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, next_decoded, stager);
-      const u8* keys = kQuantized ? decoded + (tile % kDecodedBuffers) * kDecodedBufferBytes
-                                  : smem + (tile % STAGES) * kStageBytes;
-      const u8* values = keys + (kQuantized ? kDecodedTensorBytes : kRawTensorBytes);
+      const u8* keys = kDecoded ? decoded + (tile % kDecodedBuffers) * kDecodedBufferBytes
+                                : smem + (tile % STAGES) * kStageBytes;
+      const u8* values = keys + (kDecoded ? kDecodedTensorBytes : kRawTensorBytes);
       const float* key_scales = reinterpret_cast<const float*>(keys + 2 * kDecodedTensorBytes);
       const float* value_scales = key_scales + TILE;
       const int base = key_lo + tile * TILE;
@@ -1161,6 +1236,7 @@ struct Prefill {
     }
     cp_async_wait<0>();
     trace_mark(kTraceLoopExit);
+    if constexpr (kProbabilityLift != 1.f) reference *= 1.f / kProbabilityLift;   // the accumulators' unit (exact)
 
     if (p.direct) {
       write_output(p, out, running_max, running_sum, reference, row_unscale, q_begin, row_begin, kv_head, row_valid,

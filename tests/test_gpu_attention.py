@@ -212,14 +212,16 @@ def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, 
     prompt and a decode row in one batch, so partial row and key tiles, diagonal
     tiles and skipped ones all occur. Both builds of quantized caches where the
     GPU has wgmma (sm_90): the warpgroup one with and without its producer
-    warpgroup, and the mma.sync one that older GPUs take."""
+    warpgroup, and the mma.sync one that older GPUs take. Auto caches of both
+    16-bit dtypes: the wgmma builds copy fp16 rows and convert bf16 ones to fp16
+    with a power of two a row."""
     warpgroups = build in ("producer", "wgmma")
     monkeypatch.setattr(cuda_attention, "PREFILL_WGMMA", warpgroups)
     monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", build == "producer")
     monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER_MIN_KEYS", 0)   # these prompts are short
     hopper = cupy.cuda.Device().compute_capability == "90"
-    if warpgroups and not (hopper and kv_dtype != "auto" and head_size <= 128):
-        pytest.skip("the wgmma build serves quantized caches on sm_90 GPUs, head sizes up to 128")
+    if warpgroups and not (hopper and head_size <= 128):
+        pytest.skip("the wgmma build serves sm_90 GPUs, head sizes up to 128")
     model_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if model_dtype == "bfloat16" else np.dtype(model_dtype)
     rng = np.random.default_rng(head_size)
     seq_lens, query_lens = [300, 1000, 77, 5], [300, 130, 77, 1]
@@ -235,6 +237,39 @@ def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, 
     assert getattr(plan.kernel, "wgmma", False) == warpgroups, plan.kernel
     assert getattr(plan.kernel, "producer", False) == (build == "producer"), plan.kernel
     check(f"prefill {build} {kv_dtype}/{model_dtype} d={head_size}", out, expected, np.float32)
+
+
+@pytest.mark.parametrize("build", ["producer", "wgmma", "mma.sync"])
+def test_prefill_bf16_rows_beyond_fp16_range(build, monkeypatch):
+    """bf16 cache rows from 2^-40 to 2^40 (fp16 holds 2^-24 .. 65504): the wgmma
+    builds convert each row to fp16 with a power of two of its own, so no value
+    overflows to inf and no row's small values vanish, and tokens whose V rows
+    are 2^40 apart still meet in one output. The query is scaled down so the
+    logits stay of order 10 (keys up to 2^40 x 8)."""
+    warpgroups = build in ("producer", "wgmma")
+    if warpgroups and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma builds serve sm_90 GPUs")
+    monkeypatch.setattr(cuda_attention, "PREFILL_WGMMA", warpgroups)
+    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", build == "producer")
+    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER_MIN_KEYS", 0)
+    bf16 = kc.formats.MODEL_DTYPES["bfloat16"]
+    rng = np.random.default_rng(40)
+    seq_lens, query_lens = [700, 300], [200, 300]
+    batch = paged_batch(rng, seq_lens, query_lens, 16)
+    cache = kc.allocate_cache(batch.num_blocks, 16, 2, 128, "auto", dtype=bf16)
+    shape = (batch.num_tokens, 2, 128)
+    row_scales = lambda low, high: np.exp2(rng.integers(low, high, (batch.num_tokens, 2, 1)))
+    keys = rng.standard_normal(shape) * row_scales(-40, 41)
+    values = rng.standard_normal(shape) * row_scales(-40, 41)
+    kc.reshape_and_cache(keys.astype(bf16), values.astype(bf16), cache, batch.slot_mapping)
+    query = (rng.standard_normal((batch.num_queries, 8, 128)) * 2.0 ** -38).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    expected = reference.paged_attention(query, cache, **args)
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    out = from_device(kc.paged_attention(cupy.asarray(query), device_view(cache), batch=planned), np.float32)
+    (plan,) = planned._backend_plans.values()
+    assert plan.kernel.wgmma == warpgroups and plan.kernel.producer == (build == "producer"), plan.kernel
+    check(f"prefill {build} bf16 rows 2^-40 .. 2^40", out, expected, np.float32)
 
 
 @pytest.mark.parametrize("options", [dict(), dict(sliding_window=700), dict(softcap=5.0), dict(sinks=True)],

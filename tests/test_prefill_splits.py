@@ -64,12 +64,20 @@ def test_shorter_prompts_keep_three_warpgroups_of_rows(kv, producer_on):
 @pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
 @pytest.mark.parametrize("capability", (80, 89, 90))
 def test_the_producer_only_serves_the_wgmma_build(kv, capability, producer_on):
-    """Auto caches and GPUs without wgmma take the mma.sync build at any length."""
+    """GPUs without wgmma take the mma.sync build at any length; on sm_90 every
+    KV dtype takes the wgmma build, auto caches too."""
     kernel = ca._prefill_kernel(kv, 128, 16, capability, 1 << 20)
-    wgmma = capability == 90 and kv in QUANTIZED
+    wgmma = capability == 90
     assert (kernel.wgmma, kernel.producer) == (wgmma, wgmma)
     if not wgmma:
         assert kernel.rows_per_tile == 16 * kernel.warps
+
+
+@pytest.mark.parametrize("kv", (ca.KV_F16, ca.KV_BF16))
+def test_auto_caches_keep_the_mma_sync_build_without_the_switch(kv, monkeypatch):
+    monkeypatch.setattr(ca, "PREFILL_WGMMA_AUTO", False)
+    kernel = ca._prefill_kernel(kv, 128, 16, 90, 1 << 20)
+    assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile) == (False, False, 16 * kernel.warps)
 
 
 @pytest.mark.parametrize("longest", (128, 1 << 20))

@@ -19,7 +19,7 @@ so that a block reads whole cache rows), query rows per warp, tokens per
 pipeline stage. Prefill (a sequence bringing at least PREFILL_MIN_ROWS query
 rows per KV head, head sizes up to PREFILL_MAX_HEAD_PAD) takes prefill.cuh's:
 128 query rows of one KV head a block, each tile decoded once into shared
-memory (on sm_90, quantized caches take its wgmma build, compiled for
+memory (on sm_90 it takes its wgmma build, compiled for
 sm_90a, with 192 rows a block). Either way the plan splits each sequence's
 keys across blocks (split-KV) from the batch's shape and the GPU's
 multiprocessor count (prefill: choose_prefill_splits), and
@@ -127,6 +127,11 @@ PREFILL_WGMMA_WARPS = 12
 # README, Prefill): 4 x 8192 int4 335.8, int8 287.1, fp8 278.6.
 PREFILL_PRODUCER = True
 PREFILL_PRODUCER_MIN_KEYS = 2048
+# 16-bit (auto) caches take the wgmma builds too: their decoding pass copies fp16
+# rows into the core-matrix layout and converts bf16 rows to fp16 with a power of
+# two a row (prefill.cuh, decode_tile), so the products and the softmax are the
+# quantized caches' own. False keeps them on the mma.sync build (bf16 operands).
+PREFILL_WGMMA_AUTO = True
 
 
 @dataclass(frozen=True)
@@ -201,7 +206,7 @@ class PrefillKernel:
     tile: int
     chunk: int
     warps: int = PREFILL_WARPS
-    wgmma: bool = False   # warpgroup products (sm_90a only; quantized caches)
+    wgmma: bool = False   # warpgroup products (sm_90a only)
     producer: bool = False   # with wgmma: the last warpgroup stages and decodes, the others compute
 
     entry = "prefill_attention"
@@ -217,6 +222,11 @@ class PrefillKernel:
     @property
     def quantized(self) -> bool:
         return self.kv in (KV_INT4, KV_INT8, KV_FP8)
+
+    @property
+    def decoded(self) -> bool:
+        """Whether tiles pass through fp16 decoded buffers (prefill.cuh's kDecoded)."""
+        return self.quantized or self.wgmma
 
     @property
     def stages(self) -> int:
@@ -265,7 +275,7 @@ class PrefillKernel:
         scales = 4 * self.tile if self.quantized else 0
         stage = 2 * self.tile * raw_stride + 2 * scales
         buffers = 3 if self.wgmma else 2
-        decoded = buffers * (2 * self.tile * row + 2 * 4 * self.tile) if self.quantized else 0
+        decoded = buffers * (2 * self.tile * row + 2 * 4 * self.tile) if self.decoded else 0
         queries = self.consumer_warps * (1 if self.wgmma else 2) * 16 * row   # query terms: wgmma takes one
         barriers = 2 * 8 * buffers if self.producer else 0   # full and empty, a decoded buffer each
         return self.stages * stage + decoded + queries + barriers
@@ -619,9 +629,10 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
 
 def _prefill_kernel(kv: int, head_pad: int, chunk: int, capability: int, longest: int) -> PrefillKernel:
     """The prefill build for a batch whose longest sequence holds `longest` keys: wgmma
-    for quantized caches on sm_90, with the producer warpgroup (PREFILL_PRODUCER)
-    from PREFILL_PRODUCER_MIN_KEYS keys; mma.sync otherwise."""
-    wgmma = PREFILL_WGMMA and capability == 90 and kv in (KV_INT4, KV_INT8, KV_FP8)
+    on sm_90 (16-bit caches with PREFILL_WGMMA_AUTO), with the producer warpgroup
+    (PREFILL_PRODUCER) from PREFILL_PRODUCER_MIN_KEYS keys; mma.sync otherwise."""
+    takes_wgmma = kv in (KV_INT4, KV_INT8, KV_FP8) or PREFILL_WGMMA_AUTO
+    wgmma = PREFILL_WGMMA and capability == 90 and takes_wgmma
     producer = PREFILL_PRODUCER and longest >= PREFILL_PRODUCER_MIN_KEYS
     return PrefillKernel.planned(kv, head_pad, chunk, wgmma, producer=producer)
 
@@ -877,9 +888,8 @@ def specialisations(all: bool) -> list:
                         kernels += settled + [longer for longer in map(_long_tile, settled) if longer not in settled]
                 if head_pad <= PREFILL_MAX_HEAD_PAD:
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, False))
-                    if kv in (KV_INT4, KV_INT8, KV_FP8):
-                        kernels.append(PrefillKernel.planned(kv, head_pad, 16, True))
-                        kernels.append(PrefillKernel.planned(kv, head_pad, 16, True, producer=True))
+                    kernels.append(PrefillKernel.planned(kv, head_pad, 16, True))
+                    kernels.append(PrefillKernel.planned(kv, head_pad, 16, True, producer=True))
     else:
         int4_rows = Kernel(KV_INT4, 128, 8, 1, DECODE_ROUND_TILE, 16, STAGE_ROWS)
         kernels = [int4_rows, _long_tile(int4_rows),
@@ -895,7 +905,9 @@ def specialisations(all: bool) -> list:
                    PrefillKernel.planned(KV_INT4, 128, 16, True), PrefillKernel.planned(KV_FP8, 96, 4, True),
                    PrefillKernel.planned(KV_INT8, 32, 16, True),
                    PrefillKernel.planned(KV_INT4, 128, 16, True, producer=True),
-                   PrefillKernel.planned(KV_INT8, 96, 4, True, producer=True)]
+                   PrefillKernel.planned(KV_INT8, 96, 4, True, producer=True),
+                   PrefillKernel.planned(KV_BF16, 128, 16, True, producer=True),
+                   PrefillKernel.planned(KV_F16, 64, 8, True), PrefillKernel.planned(KV_BF16, 96, 16, True)]
     found += [Specialisation("attention", (kernel.entry,), kernel.defines, kernel.arch)
               for kernel in kernels]
     # The wgmma operand-layout probes of tests/test_gpu_wgmma.py.
