@@ -343,12 +343,16 @@ def test_context_131072():
 
 
 @pytest.mark.parametrize("query_lens", [(1, 1), (50, 30)], ids=["decode", "prefill"])
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES + ("auto-bf16",))
 def test_a_nan_key_gives_nan_exactly_where_it_is_seen(kv_dtype, query_lens):
+    """auto-bf16: the wgmma prefill builds convert a bf16 row to fp16 with a
+    scale from its largest finite magnitude; the NaN must survive that."""
     rng = np.random.default_rng(5)
     batch = paged_batch(rng, [50, 30], list(query_lens), 16)
-    cache = host_cache(rng, batch, kv_dtype, 64, 2, 16, np.float16, "default")
-    bad = np.full((1, 2, 64), np.nan, np.float16)
+    model_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if kv_dtype == "auto-bf16" else np.dtype(np.float16)
+    kv_dtype = "auto" if kv_dtype == "auto-bf16" else kv_dtype
+    cache = host_cache(rng, batch, kv_dtype, 64, 2, 16, model_dtype, "default")
+    bad = np.full((1, 2, 64), np.nan, model_dtype)
     bad[0, 1] = 1.0   # only KV head 0 is broken
     kc.reshape_and_cache(bad, bad, cache, batch.slot_mapping[:1])   # token 0 of sequence 0
     query = rng.standard_normal((batch.num_queries, 8, 64)).astype(np.float32)
