@@ -71,6 +71,12 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 // tile's softmax. Their score products take the query from registers (32 of
 // them at d = 128), so that shared memory serves the tensor cores only K and V
 // (int4 4 x 8192 on an H200: 328 against 302 TFLOP/s from shared memory).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define KVC_FP8_CONVERT 1   // cvt.rn.f16x2.e4m3x2
+#else
+#define KVC_FP8_CONVERT 0
+#endif
+
 #ifndef KVC_PRODUCER_REGS
 #define KVC_PRODUCER_REGS 56   // the fewest that spill nothing (producer's loop; 40 spilled 16-120 bytes)
 #endif
@@ -142,7 +148,10 @@ struct Prefill {
   static constexpr int kProducerRegs = KVC_PRODUCER_REGS;
   static constexpr int kConsumerRegs = ((kLaunchRegs * kThreads - kProducerRegs * 128) / kConsumerThreads) & ~7;
   // fp8 codes enter the products as e4m3 x 2^-8: the scales carry the 2^8.
-  static constexpr float kCodeUnit = KV == KV_FP8 ? 256.f : 1.f;
+  // sm_89 and newer convert e4m3 pairs to fp16 in one instruction, the codes'
+  // own values (exact in fp16): their scales carry no 2^8.
+  static constexpr bool kFp8Convert = KV == KV_FP8 && KVC_FP8_CONVERT;
+  static constexpr float kCodeUnit = KV == KV_FP8 && !kFp8Convert ? 256.f : 1.f;
 
   // The decode kernel's helpers this one shares: the page window, pack / unpack.
   typedef Attention<KV, HEAD_PAD, 1, 1, 16, STAGES, CHUNK> Pages;
@@ -312,6 +321,9 @@ struct Prefill {
                   const u32 biased = bytes ^ 0x80808080u;
                   pairs[2 * half] = hfma2(prmt(biased, 0x64646464u, 0x4140u), kOne, kBias);
                   pairs[2 * half + 1] = hfma2(prmt(biased, 0x64646464u, 0x4342u), kOne, kBias);
+                } else if constexpr (kFp8Convert) {
+                  pairs[2 * half] = e4m3x2_to_half2(static_cast<unsigned short>(bytes));
+                  pairs[2 * half + 1] = e4m3x2_to_half2(static_cast<unsigned short>(bytes >> 16));
                 } else {
                   pairs[2 * half] = fp8_pair(prmt(bytes, 0u, 0x1404u));
                   pairs[2 * half + 1] = fp8_pair(prmt(bytes, 0u, 0x3424u));
@@ -388,6 +400,16 @@ struct Prefill {
       }
       fence_proxy_async();   // the rows are wgmma operands next (async proxy)
     }
+  }
+
+  // The e4m3 codes in the low and high byte of `codes` as an fp16 pair (low
+  // half from the low byte), their values exactly (sm_89 and newer).
+  static __device__ __forceinline__ u32 e4m3x2_to_half2(unsigned short codes) {
+    u32 r = 0;
+#if KVC_FP8_CONVERT
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(codes));
+#endif
+    return r;
   }
 
   // Of each half of the bf16 pairs a and b, the one of larger magnitude (its
