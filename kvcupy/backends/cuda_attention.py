@@ -99,10 +99,11 @@ PREFILL_MAX_HEAD_PAD = 128
 PREFILL_WARPS = 8
 PREFILL_TILE = 64
 PREFILL_STAGES = 3          # raw stages of quantized caches (besides the decoded tiles)
-PREFILL_AUTO_STAGES = 2     # fp16 / bf16 rows, 4x the bytes of int4 ones, read in place
+PREFILL_AUTO_STAGES = 2     # fp16 / bf16 rows, 4x the bytes of int4 ones (3 do not fit beside the wgmma buffers)
 PREFILL_MIN_BLOCKS = 1      # 8 warps a multiprocessor: no spills (`kvcupy check --all`)
-# Quantized caches on sm_90 take the warpgroup (wgmma, sm_90a) build of the prefill
-# kernel; False keeps the mma.sync build everywhere (the tests run both on Hopper).
+# sm_90 takes the warpgroup (wgmma, sm_90a) build of the prefill kernel (auto caches
+# with PREFILL_WGMMA_AUTO); False keeps the mma.sync build everywhere (the tests run
+# both on Hopper).
 PREFILL_WGMMA = True
 # The wgmma build runs three warpgroups (192 query rows) a block: three warps a
 # scheduler instead of two hide more of the softmax's and the decoding's latencies.
@@ -124,13 +125,18 @@ PREFILL_WGMMA_WARPS = 12
 # 0.634 vs 0.654, 1 x 4096 0.522 vs 0.625: the producer build from
 # PREFILL_PRODUCER_MIN_KEYS keys a sequence (between 512 and 2048: unmeasured).
 # Since then (the query in registers, raw rows read without bank conflicts;
-# README, Prefill): 4 x 8192 int4 335.8, int8 287.1, fp8 278.6.
+# README, Prefill): 4 x 8192 int4 335.8, int8 287.1, fp8 278.6; then (int8 bytes
+# permuted under 0x64, fp8 by cvt.rn.f16x2.e4m3x2) int8 307.8 and, on the bench,
+# int8 304.7, fp8 309.0.
 PREFILL_PRODUCER = True
 PREFILL_PRODUCER_MIN_KEYS = 2048
 # 16-bit (auto) caches take the wgmma builds too: their decoding pass copies fp16
 # rows into the core-matrix layout and converts bf16 rows to fp16 with a power of
 # two a row (prefill.cuh, decode_tile), so the products and the softmax are the
 # quantized caches' own. False keeps them on the mma.sync build (bf16 operands).
+# H200, 4 x 8192 causal, d = 128, TFLOP/s: fp16 rows 195 (mma.sync) -> 253 -> 303
+# (their staging's offsets once a tile; tools/prefill_variants.py); bf16 on the
+# bench 163 -> 218 -> 250 (flash SDPA 336-348 in the same runs).
 PREFILL_WGMMA_AUTO = True
 
 
