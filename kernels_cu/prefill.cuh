@@ -158,7 +158,7 @@ struct Prefill {
   static constexpr bool kFp8Convert = KV == KV_FP8 && KVC_FP8_CONVERT;
   static constexpr float kCodeUnit = KV == KV_FP8 && !kFp8Convert ? 256.f : 1.f;
 
-  // The decode kernel's helpers this one shares: the page window, pack / unpack.
+  // The decode kernel's helpers this one shares: the page window and its block ids.
   typedef Attention<KV, HEAD_PAD, 1, 1, 16, STAGES, CHUNK> Pages;
 
   // The cache channel of logical dim `logical` of the products. int4 decoding

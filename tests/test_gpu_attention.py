@@ -27,7 +27,10 @@ about 2^-11 / sqrt(3) x |q o k| (~1e-3 of a logit on these tests' data; a
 worst case, every rounding aligned, is not a realistic bound). The output
 moves by the probability-weighted mean of those shifts times (v - o), which
 averages further: measured 3-5e-4 relative on these tests' cases (two terms:
-2-3e-4), inside the same bound.
+2-3e-4), inside the same bound. Its auto caches enter the products as fp16
+rows: fp16 ones as they are, a bf16 row times a power of two of its own
+(exact for every value down to 2^-30 of the row's largest, smaller ones off by
+under 2^-38 of it), so the same arithmetic holds, with P times 2^10.
 """
 
 from __future__ import annotations
