@@ -261,9 +261,12 @@ def test_prefill_bf16_rows_beyond_fp16_range(build, monkeypatch):
     batch = paged_batch(rng, seq_lens, query_lens, 16)
     cache = kc.allocate_cache(batch.num_blocks, 16, 2, 128, "auto", dtype=bf16)
     shape = (batch.num_tokens, 2, 128)
-    row_scales = lambda low, high: np.exp2(rng.integers(low, high, (batch.num_tokens, 2, 1)))
-    keys = rng.standard_normal(shape) * row_scales(-40, 41)
-    values = rng.standard_normal(shape) * row_scales(-40, 41)
+
+    def row_scales():   # a power of two a (token, KV head) row, 2^-40 .. 2^40
+        return np.exp2(rng.integers(-40, 41, (batch.num_tokens, 2, 1)))
+
+    keys = rng.standard_normal(shape) * row_scales()
+    values = rng.standard_normal(shape) * row_scales()
     kc.reshape_and_cache(keys.astype(bf16), values.astype(bf16), cache, batch.slot_mapping)
     query = (rng.standard_normal((batch.num_queries, 8, 128)) * 2.0 ** -38).astype(np.float32)
     args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
