@@ -188,8 +188,8 @@ struct Prefill {
     constexpr int kPieces = kRowBytes / kPieceBytes;
     if constexpr (CHUNK > 1 && kStagers % kPieces == 0 && !kQuantized) {
       // 16-bit rows: every token a stager copies takes the same piece, so the
-      // piece's offsets once, then a block id and two addresses a token (the
-      // loop below works all of that out again for every piece). Measured
+      // piece's offsets are worked out once and each token costs a block id and
+      // two addresses (the loop below works all of that out for every piece). Measured
       // (H200, tools/prefill_variants.py, 4 x 8192, d = 128, fp16 rows): 253 ->
       // 303 TFLOP/s. Quantized rows keep that loop: the same path, with their
       // scale words copied by the stagers of piece 0, took int8 from 308 to 284
