@@ -361,6 +361,9 @@ struct Prefill {
       // 2^-24); the smaller ones round to fp16, off by less than 2^-38 of the
       // largest. E at least 14 keeps both powers normal floats; a row with an
       // inf or a NaN (E = 255) keeps scale 1, so the non-finite value stays one.
+      // (fp16_range_scale, the query rows' power, is the same power by frexpf
+      // and ldexpf, but overflows to inf for a largest |x| below 2^-113, which
+      // a cache row may hold; the scale here comes from E's bits directly.)
       constexpr int kWordsPerRow = kRowBytes / 4;
       // Words loaded before they are used: 16 (8 where bf16 converts them: 16
       // spilled 108 bytes of the producer's registers at d = 128).
