@@ -335,6 +335,18 @@ __device__ __forceinline__ void bulk_copy(void* shared, const void* global, u32 
                         : "memory"));
 }
 
+// shared -> global, `bytes` (a multiple of 16, both ends 16-byte aligned) by the
+// copy engine; bulk_stores_read waits until every such copy this thread issued
+// has read its source (the shared memory may then change or go away).
+__device__ __forceinline__ void bulk_store(void* global, const void* shared, u32 bytes) {
+  KVC_SM90(asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                        ::"l"(global), "r"(shared_address(shared)), "r"(bytes) : "memory"));
+}
+
+__device__ __forceinline__ void bulk_stores_read() {
+  KVC_SM90(asm volatile("cp.async.bulk.commit_group;\n cp.async.bulk.wait_group.read 0;\n" ::: "memory"));
+}
+
 // The barrier's arrival of this thread, fired once every cp.async it issued
 // before has landed; .noinc: that arrival is one of the count the barrier was
 // initialised with (row staging: one a thread and phase).

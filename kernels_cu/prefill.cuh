@@ -143,7 +143,9 @@ struct Prefill {
   static constexpr int kWarpgroupQueryBytes = 4 * kQueryBytes;
   static constexpr int kBarrierOffset =
       STAGES * kStageBytes + kDecodedBytes + kConsumerWarps * kQueryTerms * kQueryBytes;
-  static constexpr int kBarrierBytes = PRODUCER ? 2 * 8 * kDecodedBuffers : 0;   // full, then empty
+  // PRODUCER: full, then empty; then (wgmma builds) the bulk rows' barrier (see bulk_rows).
+  static constexpr int kQueryBarrierOffset = kBarrierOffset + (PRODUCER ? 2 * 8 * kDecodedBuffers : 0);
+  static constexpr int kBarrierBytes = kQueryBarrierOffset - kBarrierOffset + (WGMMA ? 16 : 0);
   static constexpr int kSharedBytes = kBarrierOffset + kBarrierBytes;
   // Registers a thread (setmaxnreg): the launch bounds' 168 at 12 warps, the
   // producer's given to the consumers.
@@ -506,20 +508,42 @@ struct Prefill {
     for (int r = 0; r < 2; ++r) tile_sum[r] += (chain[r][0] + chain[r][1]) + (chain[r][2] + chain[r][3]);
   }
 
+  // Bulk rows (wgmma builds, sm_90): query and output rows whose starts and
+  // sizes are 16-byte multiples (16-bit elements) move between global and
+  // shared memory by the copy engine, a row a cp.async.bulk, instead of each
+  // lane's 4-byte pairs. A short prompt's block otherwise spends most of its
+  // time waiting on those: at 64 x 128 (int4, d = 128) 4.5 us of 18 for the
+  // query's loads and 3.7 for the output's stores (tools/prefill_trace.py).
+  // The rows are staged in the decoded buffers, kDecodedStride apart (the
+  // lanes' 4-byte pairs then fall in distinct banks): the query's before the
+  // first tile is decoded, the output's once every consumer is past the last
+  // tile. They stay clear of the last decoded buffer, which a block with fewer
+  // tiles never fills: the inverse rotation's fragments come there with the
+  // query (run(), early_inverse).
+  static_assert(!WGMMA || kRows * kDecodedStride <= (kDecodedBuffers - 1) * kDecodedBufferBytes,
+                "the staged rows leave the last decoded buffer free");
+  static constexpr int kLastBufferOffset = (kDecodedBuffers - 1) * kDecodedBufferBytes;
+  static_assert(!WGMMA || HEAD_PAD * HEAD_PAD * 2 <= kDecodedBufferBytes, "the rotation's fragments fit a buffer");
+  static __device__ __forceinline__ bool bulk_rows(const void* rows, long long token_stride, long long head_stride,
+                                                   int dtype, int head_size) {
+    return WGMMA && dtype != kDtypeF32 && head_size % 8 == 0 && reinterpret_cast<unsigned long long>(rows) % 16 == 0 &&
+           token_stride % 8 == 0 && head_stride % 8 == 0;
+  }
+
   // This lane's query elements of rows g (r = 0) and g + 8 (r = 1), logical
-  // dims 8 n + 2t + j, from the caller's query: raw[n][2 r + j], times `factor`;
-  // channel l for the rotation's products, channel_of(l) where the channels are
-  // read in place (CACHE_ORDER). Every load goes out before any value is used:
-  // a short prompt's block otherwise waits out one memory latency per branch.
+  // dims 8 n + 2t + j, from the rows at rows[r] (the caller's query, or its
+  // bulk copy in shared memory): raw[n][2 r + j], times `factor`; channel l
+  // for the rotation's products, channel_of(l) where the channels are read in
+  // place (CACHE_ORDER). Every load goes out before any value is used: a short
+  // prompt's block otherwise waits out one memory latency per branch.
   template <bool CACHE_ORDER>
-  static __device__ __forceinline__ void load_query_elements(const Params& p, const long long (&row_start)[2],
+  static __device__ __forceinline__ void load_query_elements(const Params& p, const void* const (&rows)[2],
                                                              const bool (&row_valid)[2], float factor,
                                                              float (&raw)[ND][4]) {
     const int t = threadIdx.x & 3;
     // int4's cache order splits a pair (channels t and t + 4 of a group of 8).
     constexpr bool kSplitPairs = CACHE_ORDER && KV == KV_INT4;
     if (p.query_dtype == kDtypeF32) {
-      const float* q = static_cast<const float*>(p.query_in);
       float v[ND][4];
 #pragma unroll
       for (int n = 0; n < ND; ++n)
@@ -528,7 +552,7 @@ struct Prefill {
           const int logical = 8 * n + 2 * t + (i & 1);
           const int channel = CACHE_ORDER ? channel_of(logical) : logical;
           const bool ok = row_valid[i >> 1] && channel < p.head_size;
-          v[n][i] = ok ? q[row_start[i >> 1] + channel] : 0.f;
+          v[n][i] = ok ? static_cast<const float*>(rows[i >> 1])[channel] : 0.f;
         }
 #pragma unroll
       for (int n = 0; n < ND; ++n)
@@ -536,21 +560,21 @@ struct Prefill {
         for (int i = 0; i < 4; ++i) raw[n][i] = v[n][i] * factor;
       return;
     }
-    const u16* q = static_cast<const u16*>(p.query_in);
     u32 bits[ND][2];   // [n][r]: the pair (j = 0 low, j = 1 high)
 #pragma unroll
     for (int n = 0; n < ND; ++n)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
+        const u16* q = static_cast<const u16*>(rows[r]);
         const int logical = 8 * n + 2 * t;
         if constexpr (kSplitPairs) {
           const int c0 = channel_of(logical), c1 = channel_of(logical + 1);
-          const u32 lo = row_valid[r] && c0 < p.head_size ? q[row_start[r] + c0] : 0u;
-          const u32 hi = row_valid[r] && c1 < p.head_size ? q[row_start[r] + c1] : 0u;
+          const u32 lo = row_valid[r] && c0 < p.head_size ? q[c0] : 0u;
+          const u32 hi = row_valid[r] && c1 < p.head_size ? q[c1] : 0u;
           bits[n][r] = lo | (hi << 16);
         } else {   // a pair never straddles a row: head sizes are even, rows pair-aligned (host)
           const bool ok = row_valid[r] && logical < p.head_size;
-          bits[n][r] = ok ? *reinterpret_cast<const u32*>(q + row_start[r] + logical) : 0u;
+          bits[n][r] = ok ? *reinterpret_cast<const u32*>(q + logical) : 0u;
         }
       }
     const bool f16 = p.query_dtype == kDtypeF16;
@@ -715,33 +739,50 @@ struct Prefill {
   // matrix's fragments are staged in `scratch` (the block's query rows, written
   // only after), unless they fall in 16-dim groups: few, read where they lie.
   // Every thread of the block calls this. Without a rotation the channels are
-  // read in place.
+  // read in place. `staged`: the block's rows and the fragments came by bulk
+  // copies (run()), complete once `query_barrier` is; null: read from global memory.
   static __device__ __forceinline__ void load_query(const Params& p, int q_begin, int row_begin, int kv_head,
-                                                    const bool (&row_valid)[2], u8* scratch,
-                                                    float (&values)[KC][2][2][2]) {
+                                                    const bool (&row_valid)[2], u8* scratch, const u8* staged,
+                                                    u8* query_barrier, float (&values)[KC][2][2][2]) {
     const int lane = threadIdx.x & 31;
-    long long row_start[2];
+    const void* rows[2];
+    if (staged != nullptr) {
+      mbarrier_wait(query_barrier, 0);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row_begin + (lane >> 2) + 8 * r;
-      row_start[r] = row_valid[r] ? (q_begin + row / p.group) * p.q_token_stride +
-                                        static_cast<long long>(kv_head * p.group + row % p.group) * p.q_head_stride
-                                  : 0;
+      for (int r = 0; r < 2; ++r) rows[r] = staged + (16 * (threadIdx.x >> 5) + (lane >> 2) + 8 * r) * kDecodedStride;
+    } else {
+      const int element_bytes = p.query_dtype == kDtypeF32 ? 4 : 2;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row_begin + (lane >> 2) + 8 * r;
+        const long long start = row_valid[r] ? (q_begin + row / p.group) * p.q_token_stride +
+                                                   static_cast<long long>(kv_head * p.group + row % p.group) *
+                                                       p.q_head_stride
+                                             : 0;
+        rows[r] = static_cast<const u8*>(p.query_in) + start * element_bytes;
+      }
     }
+    // PRODUCER: the producer decodes into the staged rows' buffers once it is
+    // past this function; a barrier after the last read of them, where none follows.
+    const bool staged_fragments = p.rotation_shift >= 0 && p.rotation_shift != kGroupShift;
+    const bool producer_barrier = PRODUCER && staged != nullptr && !staged_fragments;
     float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), dim 8 n + 2t + i % 2
     if (p.rotation_shift < 0) {
-      load_query_elements<true>(p, row_start, row_valid, p.query_factor, raw);
+      load_query_elements<true>(p, rows, row_valid, p.query_factor, raw);
 #pragma unroll
       for (int n = 0; n < ND; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = raw[n][i];
+      if (producer_barrier) __syncthreads();
       return;
     }
-    load_query_elements<false>(p, row_start, row_valid, 1.f, raw);
+    load_query_elements<false>(p, rows, row_valid, 1.f, raw);
     const u8* fragments = reinterpret_cast<const u8*>(p.rotation_fwd);
-    if (p.rotation_shift != kGroupShift) {
-      stage_fragments(p.rotation_fwd, scratch);
-      __syncthreads();
+    if (staged_fragments) {
+      if (staged == nullptr) {   // (bulk: they came with the rows)
+        stage_fragments(p.rotation_fwd, scratch);
+        __syncthreads();
+      }
       fragments = scratch;
     }
     // fp16 and bf16 queries are exact in the high part (row scaling included).
@@ -751,7 +792,7 @@ struct Prefill {
                   for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = y[i];
                 });
     // Every warp done with the staged fragments: the query rows go there next.
-    if (p.rotation_shift != kGroupShift) __syncthreads();
+    if (staged_fragments || producer_barrier) __syncthreads();
   }
 
   // A barrier of the warps with query rows (every warp without a producer).
@@ -774,22 +815,29 @@ struct Prefill {
   // One split saw every key (`direct`): the merge's arithmetic for a single
   // split (merge_splits: the sink joins the denominator), the inverse rotation
   // (the host's fragments staged in `scratch`, the block's query rows, no
-  // longer read), and the rows written to `out` in its dtype. Every thread of
-  // the block calls this.
+  // longer read; `early_inverse`: already in the last decoded buffer), and the
+  // rows written to `out` in its dtype: `bulk_out`, staged in the decoded
+  // buffers and written by bulk copies, a row a lane of the warp's first 16.
+  // Every consumer thread calls this.
   static __device__ __forceinline__ void write_output(const Params& p, float (&out)[ND][4],
                                                       const float (&running_max)[2],
                                                       const float (&running_sum)[2], float reference,
                                                       const float (&row_unscale)[2], int q_begin, int row_begin,
-                                                      int kv_head, const bool (&row_valid)[2], u8* scratch) {
+                                                      int total_rows, int kv_head, const bool (&row_valid)[2],
+                                                      u8* scratch, u8* decoded, bool bulk_out, bool early_inverse) {
     const int lane = threadIdx.x & 31, t = lane & 3;
-    long long row_start[2];
+    const int element_bytes = p.out_dtype == kDtypeF32 ? 4 : 2;
+    u8* const staged = decoded + 16 * (threadIdx.x >> 5) * kDecodedStride;   // bulk_out: this warp's 16 rows
+    u8* rows[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = row_begin + (lane >> 2) + 8 * r;
       const int head = kv_head * p.group + row % p.group;
-      row_start[r] = row_valid[r] ? (q_begin + row / p.group) * p.out_token_stride +
-                                        static_cast<long long>(head) * p.out_head_stride
-                                  : 0;
+      const long long start = row_valid[r] ? (q_begin + row / p.group) * p.out_token_stride +
+                                                 static_cast<long long>(head) * p.out_head_stride
+                                           : 0;
+      rows[r] = bulk_out ? staged + ((lane >> 2) + 8 * r) * kDecodedStride
+                         : static_cast<u8*>(p.out) + start * element_bytes;
       const float sum = sum_over_quad(running_sum[r]);
       const float m = running_max[r] * row_unscale[r];
       const float sink = p.sinks != nullptr && row_valid[r] ? p.sinks[head] : -KVC_INFINITY;
@@ -807,6 +855,10 @@ struct Prefill {
           o = weight != 0.f ? o * factor : 0.f / total;
         }
     }
+    const bool staged_fragments = p.rotation_shift >= 0 && p.rotation_shift != kGroupShift;
+    // Every consumer is past its last read of the query rows and of the decoded
+    // buffers, which the fragments and the staged rows overwrite.
+    if (staged_fragments || bulk_out) consumers_sync();
     if (p.rotation_shift < 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -816,40 +868,51 @@ struct Prefill {
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             const int channel = channel_of(8 * n + 2 * t + j);
-            if (channel < p.head_size) store_output(p, row_start[r] + channel, out[n][2 * r + j]);
+            if (channel < p.head_size) store_output(p.out_dtype, rows[r], channel, out[n][2 * r + j]);
           }
       }
-      return;
-    }
-    const u8* fragments = reinterpret_cast<const u8*>(p.rotation_inv);
-    if (p.rotation_shift != kGroupShift) {
-      consumers_sync();   // every warp is past its last ldmatrix of the query rows
-      stage_fragments<kConsumerThreads>(p.rotation_inv, scratch);
-      consumers_sync();
-      fragments = scratch;
-    }
-    // The inverse rotation: the Sylvester factor across groups first, then the products.
-    butterflies_across_groups(out, p.rotation_stages);
-    trace_mark(kTraceOutputNormalised);
-    rotate_rows(out, fragments, p.rotation_shift, 0, true, p.out_factor, [&](int n, const float (&y)[4]) {
-      const int channel = 8 * n + 2 * t;
+    } else {
+      const u8* fragments = reinterpret_cast<const u8*>(p.rotation_inv);
+      if (staged_fragments && early_inverse) {
+        fragments = decoded + kLastBufferOffset;
+      } else if (staged_fragments) {
+        stage_fragments<kConsumerThreads>(p.rotation_inv, scratch);
+        consumers_sync();
+        fragments = scratch;
+      }
+      // The inverse rotation: the Sylvester factor across groups first, then the products.
+      butterflies_across_groups(out, p.rotation_stages);
+      trace_mark(kTraceOutputNormalised);
+      rotate_rows(out, fragments, p.rotation_shift, 0, true, p.out_factor, [&](int n, const float (&y)[4]) {
+        const int channel = 8 * n + 2 * t;
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-        if (row_valid[r] && channel < p.head_size) store_output_pair(p, row_start[r] + channel, y[2 * r], y[2 * r + 1]);
-    });
+        for (int r = 0; r < 2; ++r)
+          if (row_valid[r] && channel < p.head_size) store_output_pair(p.out_dtype, rows[r], channel, y[2 * r], y[2 * r + 1]);
+      });
+    }
+    if (bulk_out) {
+      fence_proxy_async();   // this lane's stores before the copy engine reads them
+      __syncwarp();
+      const int row = row_begin + lane;
+      if (lane < 16 && row < total_rows) {
+        const long long start = (q_begin + row / p.group) * p.out_token_stride +
+                                static_cast<long long>(kv_head * p.group + row % p.group) * p.out_head_stride;
+        bulk_store(static_cast<u8*>(p.out) + 2 * start, staged + lane * kDecodedStride, 2 * p.head_size);
+        bulk_stores_read();   // before the block's shared memory goes
+      }
+    }
   }
 
-  static __device__ __forceinline__ void store_output(const Params& p, long long element, float v) {
-    if (p.out_dtype == kDtypeF32) static_cast<float*>(p.out)[element] = v;
-    else if (p.out_dtype == kDtypeF16) static_cast<kvc::half*>(p.out)[element] = kvc::from_float<kvc::half>(v);
-    else static_cast<kvc::bfloat16*>(p.out)[element] = kvc::from_float<kvc::bfloat16>(v);
+  static __device__ __forceinline__ void store_output(int dtype, u8* row, int channel, float v) {
+    if (dtype == kDtypeF32) reinterpret_cast<float*>(row)[channel] = v;
+    else if (dtype == kDtypeF16) reinterpret_cast<kvc::half*>(row)[channel] = kvc::from_float<kvc::half>(v);
+    else reinterpret_cast<kvc::bfloat16*>(row)[channel] = kvc::from_float<kvc::bfloat16>(v);
   }
 
-  static __device__ __forceinline__ void store_output_pair(const Params& p, long long element, float v0, float v1) {
-    if (p.out_dtype == kDtypeF32)
-      *reinterpret_cast<float2*>(static_cast<float*>(p.out) + element) = make_float2(v0, v1);
-    else if (p.out_dtype == kDtypeF16) *reinterpret_cast<u32*>(static_cast<u16*>(p.out) + element) = pack_half2(v0, v1);
-    else *reinterpret_cast<u32*>(static_cast<u16*>(p.out) + element) = pack_bf162(v0, v1);
+  static __device__ __forceinline__ void store_output_pair(int dtype, u8* row, int channel, float v0, float v1) {
+    if (dtype == kDtypeF32) *reinterpret_cast<float2*>(reinterpret_cast<float*>(row) + channel) = make_float2(v0, v1);
+    else if (dtype == kDtypeF16) *reinterpret_cast<u32*>(reinterpret_cast<u16*>(row) + channel) = pack_half2(v0, v1);
+    else *reinterpret_cast<u32*>(reinterpret_cast<u16*>(row) + channel) = pack_bf162(v0, v1);
   }
 
   // The producer warpgroup's loop: tile's raw stage (copies issued STAGES - 1
@@ -955,12 +1018,43 @@ struct Prefill {
     // PRODUCER: the decoded buffers' barriers, and only the producer stages.
     u8* const full = smem + kBarrierOffset;
     u8* const empty = full + 8 * kDecodedBuffers;
+    u8* const query_barrier = smem + kQueryBarrierOffset;
+    u8* const decoded = smem + STAGES * kStageBytes;
+    u8* const query_area = decoded + kDecodedBytes;
+    // Bulk rows (see bulk_rows): the block's query rows, the rotation's
+    // fragments (to `query_area`, as stage_fragments would) and, where the
+    // output is written here and the block has fewer tiles than decoded
+    // buffers, the inverse rotation's (to the last buffer), all on
+    // query_barrier: every thread arrives once, announcing its copies' bytes.
+    const bool bulk_query = bulk_rows(p.query_in, p.q_token_stride, p.q_head_stride, p.query_dtype, p.head_size);
+    const bool bulk_out =
+        p.direct && bulk_rows(p.out, p.out_token_stride, p.out_head_stride, p.out_dtype, p.head_size);
+    const bool staged_rotation = p.rotation_shift >= 0 && p.rotation_shift != kGroupShift;
+    const bool early_inverse = bulk_query && p.direct && staged_rotation && num_tiles < kDecodedBuffers;
     if constexpr (PRODUCER) {
       if (threadIdx.x < kDecodedBuffers) {
         mbarrier_init(full + 8 * threadIdx.x, kStagers);
         mbarrier_init(empty + 8 * threadIdx.x, kConsumerThreads);   // every consumer thread, after its reads
       }
-      __syncthreads();
+    }
+    if (WGMMA && bulk_query && threadIdx.x == 0) mbarrier_init(query_barrier, kThreads);
+    if (PRODUCER || (WGMMA && bulk_query)) __syncthreads();
+    if (WGMMA && bulk_query) {
+      const int row = block_row_begin + threadIdx.x;   // the row this thread copies
+      const bool copies_row = threadIdx.x < kRows && row < total_rows;
+      const u32 row_bytes = 2 * p.head_size;
+      const bool copies_forward = threadIdx.x == kThreads - 1 && staged_rotation;
+      const bool copies_inverse = threadIdx.x == kThreads - 2 && early_inverse;
+      constexpr u32 kFragments = HEAD_PAD * HEAD_PAD * 2;
+      mbarrier_arrive_expect(query_barrier, (copies_row ? row_bytes : 0u) + (copies_forward || copies_inverse ? kFragments : 0u));
+      if (copies_row) {
+        const long long start = (q_begin + row / p.group) * p.q_token_stride +
+                                static_cast<long long>(kv_head * p.group + row % p.group) * p.q_head_stride;
+        bulk_copy(decoded + threadIdx.x * kDecodedStride, static_cast<const u8*>(p.query_in) + 2 * start, row_bytes,
+                  query_barrier);
+      }
+      if (copies_forward) bulk_copy(query_area, p.rotation_fwd, kFragments, query_barrier);
+      if (copies_inverse) bulk_copy(decoded + kLastBufferOffset, p.rotation_inv, kFragments, query_barrier);
     }
     const int stager = PRODUCER ? threadIdx.x - kConsumerThreads : threadIdx.x;
     typename Pages::PageWindow window{};
@@ -983,8 +1077,7 @@ struct Prefill {
     // row is scaled by a power of two that brings its largest |q| near 2^14
     // (exact), undone on the scores. Lane (g, t) loads rows g and g + 8, dims
     // 16 kc + 8 h + 2t (+1): the pairs of the A fragments it will hold.
-    u8* const query_rows = smem + STAGES * kStageBytes + kDecodedBytes +
-                           (WGMMA ? (warp >> 2) * kWarpgroupQueryBytes : warp * 2 * kQueryBytes);
+    u8* const query_rows = query_area + (WGMMA ? (warp >> 2) * kWarpgroupQueryBytes : warp * 2 * kQueryBytes);
     float row_unscale[2];
     // PRODUCER: the score products take the query from registers (rs_k): the
     // high parts as the warp's A fragments, register 2h + r of k step kc holding
@@ -992,7 +1085,8 @@ struct Prefill {
     u32 query_fragments[PRODUCER ? KC : 1][4];
     {
       float values[KC][2][2][2];   // [kc][h][r][j]
-      load_query(p, q_begin, row_begin, kv_head, row_valid, smem + STAGES * kStageBytes + kDecodedBytes, values);
+      load_query(p, q_begin, row_begin, kv_head, row_valid, query_area, bulk_query ? decoded : nullptr, query_barrier,
+                 values);
       if constexpr (PRODUCER) {   // past the block's last barrier: the roles part
         if (producer) {
           registers_down<kProducerRegs>();
@@ -1052,7 +1146,6 @@ struct Prefill {
     float running_max[2] = {-KVC_INFINITY, -KVC_INFINITY}, running_sum[2] = {0.f, 0.f};
     float reference = kDecoded ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
-    u8* const decoded = smem + STAGES * kStageBytes;
     if (!PRODUCER && kDecoded && num_tiles > 0) {
       cp_async_wait<STAGES - 1>();
       __syncthreads();
@@ -1300,8 +1393,8 @@ struct Prefill {
     if constexpr (kProbabilityLift != 1.f) reference *= 1.f / kProbabilityLift;   // the accumulators' unit (exact)
 
     if (p.direct) {
-      write_output(p, out, running_max, running_sum, reference, row_unscale, q_begin, row_begin, kv_head, row_valid,
-                   smem + STAGES * kStageBytes + kDecodedBytes);
+      write_output(p, out, running_max, running_sum, reference, row_unscale, q_begin, row_begin, total_rows, kv_head,
+                   row_valid, query_area, decoded, bulk_out, early_inverse);
       trace_mark(kTraceDone);
       return;
     }

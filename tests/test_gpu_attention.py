@@ -307,6 +307,59 @@ def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, mon
     check(f"prefill producer {kv_dtype} d={head_size} {options}", out, expected, np.float32)
 
 
+@pytest.mark.parametrize("build", ["producer", "wgmma"])
+@pytest.mark.parametrize("layout", ["packed", "rows off 16 bytes"])
+@pytest.mark.parametrize("query_dtype", (np.float16, "bfloat16"))
+@pytest.mark.parametrize("kv_dtype,rotation,head_size", [("int4_per_token_head", "blockdiag", 128),
+                                                         ("int8_per_token_head", "blockdiag", 96),
+                                                         ("fp8_per_token_head", "none", 64),
+                                                         ("auto", "none", 36)])
+def test_prefill_query_and_output_rows_by_bulk_copies_or_not(kv_dtype, rotation, head_size, query_dtype, layout,
+                                                             build, monkeypatch):
+    """The wgmma builds bring 16-bit query rows into shared memory, and write the
+    output's, by bulk copies where every row's start and size are 16-byte
+    multiples (prefill.cuh, bulk_rows), and by each lane's own loads and stores
+    otherwise: here a query whose head stride is d + 2 and an `out` that starts
+    4 bytes past a 16-byte boundary, and d = 36. A prompt of 100 tokens (blocks
+    of one or two key tiles: the inverse rotation's fragments come with the
+    query), one of 500 and a chunk of 300 over 3000, with sinks."""
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma builds serve sm_90 GPUs")
+    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", build == "producer")
+    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER_MIN_KEYS", 0)
+    bf16 = query_dtype == "bfloat16"
+    query_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if bf16 else np.dtype(query_dtype)
+    rng = np.random.default_rng(head_size)
+    batch = paged_batch(rng, [100, 500, 3000], [100, 500, 300], 16)
+    cache = host_cache(rng, batch, kv_dtype, head_size, 2, 16, np.float16, rotation)
+    shape = (batch.num_queries, 8, head_size)
+    query = (rng.standard_normal(shape) * 2).astype(query_dtype)
+    sinks = rng.standard_normal(8).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    expected = reference.paged_attention(query, cache, **args, sinks=sinks)
+    bits = query.view(np.uint16)
+    off = layout != "packed"
+    # Off 16 bytes: the query a view whose head stride is d + 2 elements, `out`
+    # contiguous from 4 bytes past an allocation's start.
+    query_bits = cupy.zeros((shape[0], 8, head_size + 2 * off), cupy.uint16)
+    query_bits[..., :head_size] = cupy.asarray(bits)
+    query_bits = query_bits[..., :head_size]
+    out_backing = cupy.full(int(np.prod(shape)) + 2, 0xFFFF, cupy.uint16)   # NaN bits in either dtype
+    out_bits = out_backing[2 * off:2 * off + int(np.prod(shape))].reshape(shape)
+    wrap = DeviceBf16 if bf16 else (lambda array: array.view(cupy.float16))
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    kc.paged_attention(wrap(query_bits), device_view(cache), batch=planned, sinks=cupy.asarray(sinks),
+                       out=wrap(out_bits))
+    (plan,) = planned._backend_plans.values()
+    assert plan.kernel.wgmma and plan.kernel.producer == (build == "producer"), plan.kernel
+    out = from_device(DeviceBf16(out_bits) if bf16 else out_bits.view(cupy.float16), query_dtype)
+    check(f"prefill {build} {layout} {kv_dtype} {rotation} d={head_size} q={query_dtype}", out, expected,
+          query_dtype)
+    assert (cupy.asnumpy(out_backing[:2 * off]) == 0xFFFF).all()   # nothing written before `out`
+    if not off:
+        assert (cupy.asnumpy(out_backing[-2:]) == 0xFFFF).all()   # nor after it
+
+
 @pytest.mark.parametrize("block_size", (8, 32, 128))
 @pytest.mark.parametrize("group", (1, 8))
 @pytest.mark.parametrize("query_dtype", (np.float16, "bfloat16"))

@@ -284,6 +284,7 @@ class PrefillKernel:
         decoded = buffers * (2 * self.tile * row + 2 * 4 * self.tile) if self.decoded else 0
         queries = self.consumer_warps * (1 if self.wgmma else 2) * 16 * row   # query terms: wgmma takes one
         barriers = 2 * 8 * buffers if self.producer else 0   # full and empty, a decoded buffer each
+        barriers += 16 if self.wgmma else 0   # the bulk rows' barrier (and padding)
         return self.stages * stage + decoded + queries + barriers
 
 
