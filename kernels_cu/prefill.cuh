@@ -372,31 +372,20 @@ struct Prefill {
       constexpr int kBatch = KV == KV_BF16 ? 8 : 16;
       static_assert(kWordsPerRow % 16 == 0, "whole batches: head sizes are multiples of 32");
       float* scales = reinterpret_cast<float*>(decoded + 2 * kDecodedTensorBytes);
-      // visit(word, raw) for the row's words kBatch at a time, each batch loaded whole first.
-      auto batches = [&](const u8* source, auto visit) {
-#pragma unroll
-        for (int batch = 0; batch < kWordsPerRow; batch += kBatch) {
-          uint4 raw[kBatch / 4];
-#pragma unroll
-          for (int v = 0; v < kBatch / 4; ++v) raw[v] = *reinterpret_cast<const uint4*>(source + 4 * (batch + 4 * v));
-#pragma unroll
-          for (int v = 0; v < kBatch / 4; ++v) visit(batch + 4 * v, raw[v]);
-        }
-      };
 #pragma unroll 1
       for (int row = stager; row < 2 * TILE; row += kStagers) {   // K rows, then V rows
         const u8* source = stage + row * kRawStride;
         float up = 1.f, scale = 1.f;
         if constexpr (KV == KV_BF16) {
           u32 largest = 0;   // a bf16 pair whose magnitudes are the row's largest (signs aside)
-          batches(source, [&](int, const uint4& raw) {
+          row_batches<kBatch>(source, [&](int, const uint4& raw) {
             largest = max_abs_bf16x2(largest, max_abs_bf16x2(max_abs_bf16x2(raw.x, raw.y), max_abs_bf16x2(raw.z, raw.w)));
           });
           largest &= 0x7FFF7FFFu;   // |x|'s bits: their order is the values'
           const u32 exponent = max(max(largest & 0xFFFFu, largest >> 16) >> 7, 14u);
           if (exponent < 255u) up = __uint_as_float((267u - exponent) << 23), scale = __uint_as_float((exponent - 13u) << 23);
         }
-        batches(source, [&](int word, uint4 raw) {
+        row_batches<kBatch>(source, [&](int word, uint4 raw) {
           if constexpr (KV == KV_BF16)
             raw = make_uint4(scaled_half2(raw.x, up), scaled_half2(raw.y, up), scaled_half2(raw.z, up),
                              scaled_half2(raw.w, up));
@@ -406,6 +395,22 @@ struct Prefill {
         scales[row] = scale;
       }
       fence_proxy_async();   // the rows are wgmma operands next (async proxy)
+    }
+  }
+
+  // visit(word, raw) for a staged 16-bit row's words, BATCH at a time, each
+  // batch loaded whole before the first is visited. (A member template, not a
+  // generic lambda: NVRTC 13.0 takes a generic lambda's operator for a host function.)
+  template <int BATCH, class Visit>
+  static __device__ __forceinline__ void row_batches(const u8* source, Visit visit) {
+    constexpr int kWordsPerRow = kRowBytes / 4;
+#pragma unroll
+    for (int batch = 0; batch < kWordsPerRow; batch += BATCH) {
+      uint4 raw[BATCH / 4];
+#pragma unroll
+      for (int v = 0; v < BATCH / 4; ++v) raw[v] = *reinterpret_cast<const uint4*>(source + 4 * (batch + 4 * v));
+#pragma unroll
+      for (int v = 0; v < BATCH / 4; ++v) visit(batch + 4 * v, raw[v]);
     }
   }
 
