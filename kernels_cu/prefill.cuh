@@ -513,25 +513,29 @@ struct Prefill {
     for (int r = 0; r < 2; ++r) tile_sum[r] += (chain[r][0] + chain[r][1]) + (chain[r][2] + chain[r][3]);
   }
 
-  // Bulk rows (wgmma builds, sm_90): query and output rows whose starts and
-  // sizes are 16-byte multiples (16-bit elements) move between global and
-  // shared memory by the copy engine, a row a cp.async.bulk, instead of each
-  // lane's 4-byte pairs. A short prompt's block otherwise spends most of its
-  // time waiting on those: at 64 x 128 (int4, d = 128) 4.5 us of 18 for the
-  // query's loads and 3.7 for the output's stores (tools/prefill_trace.py).
+  // Bulk rows (wgmma builds without the producer: short prompts' build, sm_90):
+  // query and output rows whose starts and sizes are 16-byte multiples (16-bit
+  // elements) move between global and shared memory by the copy engine, a row
+  // a cp.async.bulk, instead of each lane's 4-byte pairs. A short prompt's
+  // block otherwise spends much of its time waiting on those: at 64 x 128
+  // (int4, d = 128) 4.4 us of 18 until the query is loaded and rotated
+  // (tools/prefill_trace.py). The producer build keeps the lanes' loads: its
+  // long blocks gain nothing, and the bulk path cost it 1-2% (4 x 8192 and
+  // 2048 over 30720 cached, int4, H200, tools/prefill_variants.py).
   // The rows are staged in the decoded buffers, kDecodedStride apart (the
   // lanes' 4-byte pairs then fall in distinct banks): the query's before the
   // first tile is decoded, the output's once every consumer is past the last
-  // tile. They stay clear of the last decoded buffer, which a block with fewer
-  // tiles never fills: the inverse rotation's fragments come there with the
+  // tile. Where they leave the last decoded buffer clear and the rotation's
+  // fragments fit it (kEarlyInverse), a block with fewer tiles than buffers,
+  // which never fills it, gets the inverse rotation's fragments there with the
   // query (run(), early_inverse).
-  static_assert(!WGMMA || kRows * kDecodedStride <= (kDecodedBuffers - 1) * kDecodedBufferBytes,
-                "the staged rows leave the last decoded buffer free");
+  static_assert(!WGMMA || kRows * kDecodedStride <= kDecodedBytes, "the staged rows fit the decoded buffers");
   static constexpr int kLastBufferOffset = (kDecodedBuffers - 1) * kDecodedBufferBytes;
-  static_assert(!WGMMA || HEAD_PAD * HEAD_PAD * 2 <= kDecodedBufferBytes, "the rotation's fragments fit a buffer");
+  static constexpr bool kEarlyInverse =
+      kRows * kDecodedStride <= kLastBufferOffset && HEAD_PAD * HEAD_PAD * 2 <= kDecodedBufferBytes;
   static __device__ __forceinline__ bool bulk_rows(const void* rows, long long token_stride, long long head_stride,
                                                    int dtype, int head_size) {
-    return WGMMA && dtype != kDtypeF32 && head_size % 8 == 0 && reinterpret_cast<unsigned long long>(rows) % 16 == 0 &&
+    return WGMMA && !PRODUCER && dtype != kDtypeF32 && head_size % 8 == 0 && reinterpret_cast<unsigned long long>(rows) % 16 == 0 &&
            token_stride % 8 == 0 && head_stride % 8 == 0;
   }
 
@@ -767,9 +771,11 @@ struct Prefill {
         rows[r] = static_cast<const u8*>(p.query_in) + start * element_bytes;
       }
     }
+    // The fragments in shared memory: staged here, or come with the rows (bulk);
+    // without bulk copies, those in 16-dim groups are read where they lie.
+    const bool staged_fragments = p.rotation_shift >= 0 && (p.rotation_shift != kGroupShift || staged != nullptr);
     // PRODUCER: the producer decodes into the staged rows' buffers once it is
     // past this function; a barrier after the last read of them, where none follows.
-    const bool staged_fragments = p.rotation_shift >= 0 && p.rotation_shift != kGroupShift;
     const bool producer_barrier = PRODUCER && staged != nullptr && !staged_fragments;
     float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), dim 8 n + 2t + i % 2
     if (p.rotation_shift < 0) {
@@ -782,13 +788,10 @@ struct Prefill {
       return;
     }
     load_query_elements<false>(p, rows, row_valid, 1.f, raw);
-    const u8* fragments = reinterpret_cast<const u8*>(p.rotation_fwd);
-    if (staged_fragments) {
-      if (staged == nullptr) {   // (bulk: they came with the rows)
-        stage_fragments(p.rotation_fwd, scratch);
-        __syncthreads();
-      }
-      fragments = scratch;
+    const u8* fragments = staged_fragments ? scratch : reinterpret_cast<const u8*>(p.rotation_fwd);
+    if (staged_fragments && staged == nullptr) {
+      stage_fragments(p.rotation_fwd, scratch);
+      __syncthreads();
     }
     // fp16 and bf16 queries are exact in the high part (row scaling included).
     rotate_rows(raw, fragments, p.rotation_shift, p.rotation_stages, p.query_dtype == kDtypeF32, p.query_factor,
@@ -860,7 +863,7 @@ struct Prefill {
           o = weight != 0.f ? o * factor : 0.f / total;
         }
     }
-    const bool staged_fragments = p.rotation_shift >= 0 && p.rotation_shift != kGroupShift;
+    const bool staged_fragments = p.rotation_shift >= 0 && p.rotation_shift != kGroupShift && !early_inverse;
     // Every consumer is past its last read of the query rows and of the decoded
     // buffers, which the fragments and the staged rows overwrite.
     if (staged_fragments || bulk_out) consumers_sync();
@@ -878,7 +881,7 @@ struct Prefill {
       }
     } else {
       const u8* fragments = reinterpret_cast<const u8*>(p.rotation_inv);
-      if (staged_fragments && early_inverse) {
+      if (early_inverse) {
         fragments = decoded + kLastBufferOffset;
       } else if (staged_fragments) {
         stage_fragments<kConsumerThreads>(p.rotation_inv, scratch);
@@ -1027,15 +1030,16 @@ struct Prefill {
     u8* const decoded = smem + STAGES * kStageBytes;
     u8* const query_area = decoded + kDecodedBytes;
     // Bulk rows (see bulk_rows): the block's query rows, the rotation's
-    // fragments (to `query_area`, as stage_fragments would) and, where the
-    // output is written here and the block has fewer tiles than decoded
-    // buffers, the inverse rotation's (to the last buffer), all on
-    // query_barrier: every thread arrives once, announcing its copies' bytes.
+    // fragments (to `query_area`, as stage_fragments would; in 16-dim groups
+    // too, which are otherwise read from global memory, a latency a group of n
+    // tiles) and, where the output is written here and the block has fewer
+    // tiles than decoded buffers, the inverse rotation's (to the last buffer),
+    // all on query_barrier: every thread arrives once, announcing its copies' bytes.
     const bool bulk_query = bulk_rows(p.query_in, p.q_token_stride, p.q_head_stride, p.query_dtype, p.head_size);
     const bool bulk_out =
         p.direct && bulk_rows(p.out, p.out_token_stride, p.out_head_stride, p.out_dtype, p.head_size);
-    const bool staged_rotation = p.rotation_shift >= 0 && p.rotation_shift != kGroupShift;
-    const bool early_inverse = bulk_query && p.direct && staged_rotation && num_tiles < kDecodedBuffers;
+    const bool early_inverse =
+        kEarlyInverse && bulk_query && p.direct && p.rotation_shift >= 0 && num_tiles < kDecodedBuffers;
     if constexpr (PRODUCER) {
       if (threadIdx.x < kDecodedBuffers) {
         mbarrier_init(full + 8 * threadIdx.x, kStagers);
@@ -1048,18 +1052,32 @@ struct Prefill {
       const int row = block_row_begin + threadIdx.x;   // the row this thread copies
       const bool copies_row = threadIdx.x < kRows && row < total_rows;
       const u32 row_bytes = 2 * p.head_size;
-      const bool copies_forward = threadIdx.x == kThreads - 1 && staged_rotation;
-      const bool copies_inverse = threadIdx.x == kThreads - 2 && early_inverse;
-      constexpr u32 kFragments = HEAD_PAD * HEAD_PAD * 2;
-      mbarrier_arrive_expect(query_barrier, (copies_row ? row_bytes : 0u) + (copies_forward || copies_inverse ? kFragments : 0u));
+      // The fragments ([KC][ND][32 lanes] x 8 bytes) whole, by the last thread;
+      // in 16-dim groups only the runs that hold nonzeros (k step ks: n tiles
+      // 2 ks and 2 ks + 1, 512 bytes), by the last KC threads (the inverse's:
+      // the KC before them).
+      const int parts = p.rotation_shift == kGroupShift ? KC : 1;
+      const int slot = kThreads - 1 - threadIdx.x;
+      const bool forward_part = p.rotation_shift >= 0 && slot < parts;
+      const bool inverse_part = early_inverse && slot >= parts && slot < 2 * parts;
+      u32 part_bytes = 0, part_offset = 0;
+      if (forward_part || inverse_part) {
+        const int part = forward_part ? slot : slot - parts;
+        part_bytes = parts == 1 ? HEAD_PAD * HEAD_PAD * 2 : 2 * 32 * 8;
+        part_offset = parts == 1 ? 0 : (part * ND + 2 * part) * 32 * 8;
+      }
+      mbarrier_arrive_expect(query_barrier, (copies_row ? row_bytes : 0u) + part_bytes);
       if (copies_row) {
         const long long start = (q_begin + row / p.group) * p.q_token_stride +
                                 static_cast<long long>(kv_head * p.group + row % p.group) * p.q_head_stride;
         bulk_copy(decoded + threadIdx.x * kDecodedStride, static_cast<const u8*>(p.query_in) + 2 * start, row_bytes,
                   query_barrier);
       }
-      if (copies_forward) bulk_copy(query_area, p.rotation_fwd, kFragments, query_barrier);
-      if (copies_inverse) bulk_copy(decoded + kLastBufferOffset, p.rotation_inv, kFragments, query_barrier);
+      if (part_bytes != 0) {
+        const u8* source = reinterpret_cast<const u8*>(forward_part ? p.rotation_fwd : p.rotation_inv);
+        u8* target = forward_part ? query_area : decoded + kLastBufferOffset;
+        bulk_copy(target + part_offset, source + part_offset, part_bytes, query_barrier);
+      }
     }
     const int stager = PRODUCER ? threadIdx.x - kConsumerThreads : threadIdx.x;
     typename Pages::PageWindow window{};

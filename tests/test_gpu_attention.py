@@ -316,11 +316,12 @@ def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, mon
                                                          ("auto", "none", 36)])
 def test_prefill_query_and_output_rows_by_bulk_copies_or_not(kv_dtype, rotation, head_size, query_dtype, layout,
                                                              build, monkeypatch):
-    """The wgmma builds bring 16-bit query rows into shared memory, and write the
-    output's, by bulk copies where every row's start and size are 16-byte
-    multiples (prefill.cuh, bulk_rows), and by each lane's own loads and stores
-    otherwise: here a query whose head stride is d + 2 and an `out` that starts
-    4 bytes past a 16-byte boundary, and d = 36. A prompt of 100 tokens (blocks
+    """The wgmma build without the producer brings 16-bit query rows into shared
+    memory, and writes the output's, by bulk copies where every row's start and
+    size are 16-byte multiples (prefill.cuh, bulk_rows), and by each lane's own
+    loads and stores otherwise (and always in the producer build): here a query
+    whose head stride is d + 2 and an `out` that starts 4 bytes past a 16-byte
+    boundary, and d = 36. A prompt of 100 tokens (blocks
     of one or two key tiles: the inverse rotation's fragments come with the
     query), one of 500 and a chunk of 300 over 3000, with sinks."""
     if cupy.cuda.Device().compute_capability != "90":
