@@ -515,16 +515,15 @@ struct Prefill {
 
   // Bulk rows (wgmma builds without the producer: short prompts' build, sm_90):
   // query and output rows whose starts and sizes are 16-byte multiples (16-bit
-  // elements) move between global and shared memory by the copy engine, a
-  // token's rows (or a row) a cp.async.bulk (row_run), instead of each lane's
-  // 4-byte pairs. A short prompt's
+  // elements) move between global and shared memory by the copy engine, a row
+  // a cp.async.bulk, instead of each lane's 4-byte pairs. A short prompt's
   // block otherwise spends much of its time waiting on those: at 64 x 128
   // (int4, d = 128) 4.4 us of 18 until the query is loaded and rotated
   // (tools/prefill_trace.py). The producer build keeps the lanes' loads: its
   // long blocks gain nothing, and the bulk path cost it 1-2% (4 x 8192 and
   // 2048 over 30720 cached, int4, H200, tools/prefill_variants.py).
-  // The rows are staged in the decoded buffers, at most kDecodedStride apart
-  // (row_run): the query's before the
+  // The rows are staged in the decoded buffers, kDecodedStride apart (the
+  // lanes' 4-byte pairs then fall in distinct banks): the query's before the
   // first tile is decoded, the output's once every consumer is past the last
   // tile. Where they leave the last decoded buffer clear and the rotation's
   // fragments fit it (kEarlyInverse), a block with fewer tiles than buffers,
@@ -538,17 +537,6 @@ struct Prefill {
                                                    int dtype, int head_size) {
     return WGMMA && !PRODUCER && dtype != kDtypeF32 && head_size % 8 == 0 && reinterpret_cast<unsigned long long>(rows) % 16 == 0 &&
            token_stride % 8 == 0 && head_stride % 8 == 0;
-  }
-
-  // Copy `index` of rows [begin, end): rows [lo, hi) (none where lo >= hi),
-  // back to back in memory. With `runs` (a token's heads back to back: the
-  // usual layout) a token's rows make one copy, staged 2 head_size bytes apart
-  // (a quarter of the copies at 4 query heads a KV head); else a row a copy,
-  // staged kDecodedStride apart.
-  static __device__ __forceinline__ int2 row_run(int begin, int end, int index, int group, bool runs) {
-    if (!runs) return make_int2(begin + index, min(begin + index + 1, end));
-    const int token = begin / group + index;
-    return make_int2(max(begin, token * group), min(end, (token + 1) * group));
   }
 
   // This lane's query elements of rows g (r = 0) and g + 8 (r = 1), logical
@@ -760,19 +748,17 @@ struct Prefill {
   // matrix's fragments are staged in `scratch` (the block's query rows, written
   // only after), unless they fall in 16-dim groups: few, read where they lie.
   // Every thread of the block calls this. Without a rotation the channels are
-  // read in place. `staged`: the block's rows (`staged_stride` bytes apart) and
-  // the fragments came by bulk copies (run()), complete once `query_barrier`
-  // is; null: read from global memory.
+  // read in place. `staged`: the block's rows and the fragments came by bulk
+  // copies (run()), complete once `query_barrier` is; null: read from global memory.
   static __device__ __forceinline__ void load_query(const Params& p, int q_begin, int row_begin, int kv_head,
                                                     const bool (&row_valid)[2], u8* scratch, const u8* staged,
-                                                    int staged_stride, u8* query_barrier,
-                                                    float (&values)[KC][2][2][2]) {
+                                                    u8* query_barrier, float (&values)[KC][2][2][2]) {
     const int lane = threadIdx.x & 31;
     const void* rows[2];
     if (staged != nullptr) {
       mbarrier_wait(query_barrier, 0);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) rows[r] = staged + (16 * (threadIdx.x >> 5) + (lane >> 2) + 8 * r) * staged_stride;
+      for (int r = 0; r < 2; ++r) rows[r] = staged + (16 * (threadIdx.x >> 5) + (lane >> 2) + 8 * r) * kDecodedStride;
     } else {
       const int element_bytes = p.query_dtype == kDtypeF32 ? 4 : 2;
 #pragma unroll
@@ -838,9 +824,8 @@ struct Prefill {
   // split (merge_splits: the sink joins the denominator), the inverse rotation
   // (the host's fragments staged in `scratch`, the block's query rows, no
   // longer read; `early_inverse`: already in the last decoded buffer), and the
-  // rows written to `out` in its dtype: `bulk_out` (a token's heads back to
-  // back there), staged in the decoded buffers and written by bulk copies, a
-  // token's rows of the warp's 16 a lane (row_run).
+  // rows written to `out` in its dtype: `bulk_out`, staged in the decoded
+  // buffers and written by bulk copies, a row a lane of the warp's first 16.
   // Every consumer thread calls this.
   static __device__ __forceinline__ void write_output(const Params& p, float (&out)[ND][4],
                                                       const float (&running_max)[2],
@@ -850,8 +835,7 @@ struct Prefill {
                                                       u8* scratch, u8* decoded, bool bulk_out, bool early_inverse) {
     const int lane = threadIdx.x & 31, t = lane & 3;
     const int element_bytes = p.out_dtype == kDtypeF32 ? 4 : 2;
-    const int staged_stride = 2 * p.head_size;   // bulk_out: token runs
-    u8* const staged = decoded + 16 * (threadIdx.x >> 5) * staged_stride;   // bulk_out: this warp's 16 rows
+    u8* const staged = decoded + 16 * (threadIdx.x >> 5) * kDecodedStride;   // bulk_out: this warp's 16 rows
     u8* rows[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -860,7 +844,7 @@ struct Prefill {
       const long long start = row_valid[r] ? (q_begin + row / p.group) * p.out_token_stride +
                                                  static_cast<long long>(head) * p.out_head_stride
                                            : 0;
-      rows[r] = bulk_out ? staged + ((lane >> 2) + 8 * r) * staged_stride
+      rows[r] = bulk_out ? staged + ((lane >> 2) + 8 * r) * kDecodedStride
                          : static_cast<u8*>(p.out) + start * element_bytes;
       const float sum = sum_over_quad(running_sum[r]);
       const float m = running_max[r] * row_unscale[r];
@@ -917,12 +901,11 @@ struct Prefill {
     if (bulk_out) {
       fence_proxy_async();   // this lane's stores before the copy engine reads them
       __syncwarp();
-      const int2 run = row_run(row_begin, min(row_begin + 16, total_rows), lane, p.group, true);
-      if (lane < 16 && run.x < run.y) {
-        const long long start = (q_begin + run.x / p.group) * p.out_token_stride +
-                                static_cast<long long>(kv_head * p.group + run.x % p.group) * p.out_head_stride;
-        bulk_store(static_cast<u8*>(p.out) + 2 * start, staged + (run.x - row_begin) * staged_stride,
-                   (run.y - run.x) * staged_stride);
+      const int row = row_begin + lane;
+      if (lane < 16 && row < total_rows) {
+        const long long start = (q_begin + row / p.group) * p.out_token_stride +
+                                static_cast<long long>(kv_head * p.group + row % p.group) * p.out_head_stride;
+        bulk_store(static_cast<u8*>(p.out) + 2 * start, staged + lane * kDecodedStride, 2 * p.head_size);
         bulk_stores_read();   // before the block's shared memory goes
       }
     }
@@ -1053,10 +1036,8 @@ struct Prefill {
     // tiles than decoded buffers, the inverse rotation's (to the last buffer),
     // all on query_barrier: every thread arrives once, announcing its copies' bytes.
     const bool bulk_query = bulk_rows(p.query_in, p.q_token_stride, p.q_head_stride, p.query_dtype, p.head_size);
-    const bool bulk_out = p.direct && p.out_head_stride == p.head_size &&
-                          bulk_rows(p.out, p.out_token_stride, p.out_head_stride, p.out_dtype, p.head_size);
-    const bool query_runs = bulk_query && p.q_head_stride == p.head_size;
-    const int query_stride = query_runs ? 2 * p.head_size : kDecodedStride;   // staged query rows, bytes apart
+    const bool bulk_out =
+        p.direct && bulk_rows(p.out, p.out_token_stride, p.out_head_stride, p.out_dtype, p.head_size);
     const bool early_inverse =
         kEarlyInverse && bulk_query && p.direct && p.rotation_shift >= 0 && num_tiles < kDecodedBuffers;
     if constexpr (PRODUCER) {
@@ -1068,10 +1049,9 @@ struct Prefill {
     if (WGMMA && bulk_query && threadIdx.x == 0) mbarrier_init(query_barrier, kThreads);
     if (PRODUCER || (WGMMA && bulk_query)) __syncthreads();
     if (WGMMA && bulk_query) {
-      const int2 run = row_run(block_row_begin, min(block_row_begin + kRows, total_rows), threadIdx.x, p.group,
-                               query_runs);   // the rows this thread copies
-      const bool copies_rows = threadIdx.x < kRows && run.x < run.y;
-      const u32 rows_bytes = 2 * p.head_size * (run.y - run.x);
+      const int row = block_row_begin + threadIdx.x;   // the row this thread copies
+      const bool copies_row = threadIdx.x < kRows && row < total_rows;
+      const u32 row_bytes = 2 * p.head_size;
       // The fragments ([KC][ND][32 lanes] x 8 bytes) whole, by the last thread;
       // in 16-dim groups only the runs that hold nonzeros (k step ks: n tiles
       // 2 ks and 2 ks + 1, 512 bytes), by the last KC threads (the inverse's:
@@ -1086,12 +1066,12 @@ struct Prefill {
         part_bytes = parts == 1 ? HEAD_PAD * HEAD_PAD * 2 : 2 * 32 * 8;
         part_offset = parts == 1 ? 0 : (part * ND + 2 * part) * 32 * 8;
       }
-      mbarrier_arrive_expect(query_barrier, (copies_rows ? rows_bytes : 0u) + part_bytes);
-      if (copies_rows) {
-        const long long start = (q_begin + run.x / p.group) * p.q_token_stride +
-                                static_cast<long long>(kv_head * p.group + run.x % p.group) * p.q_head_stride;
-        bulk_copy(decoded + (run.x - block_row_begin) * query_stride, static_cast<const u8*>(p.query_in) + 2 * start,
-                  rows_bytes, query_barrier);
+      mbarrier_arrive_expect(query_barrier, (copies_row ? row_bytes : 0u) + part_bytes);
+      if (copies_row) {
+        const long long start = (q_begin + row / p.group) * p.q_token_stride +
+                                static_cast<long long>(kv_head * p.group + row % p.group) * p.q_head_stride;
+        bulk_copy(decoded + threadIdx.x * kDecodedStride, static_cast<const u8*>(p.query_in) + 2 * start, row_bytes,
+                  query_barrier);
       }
       if (part_bytes != 0) {
         const u8* source = reinterpret_cast<const u8*>(forward_part ? p.rotation_fwd : p.rotation_inv);
@@ -1128,8 +1108,8 @@ struct Prefill {
     u32 query_fragments[PRODUCER ? KC : 1][4];
     {
       float values[KC][2][2][2];   // [kc][h][r][j]
-      load_query(p, q_begin, row_begin, kv_head, row_valid, query_area, bulk_query ? decoded : nullptr, query_stride,
-                 query_barrier, values);
+      load_query(p, q_begin, row_begin, kv_head, row_valid, query_area, bulk_query ? decoded : nullptr, query_barrier,
+                 values);
       if constexpr (PRODUCER) {   // past the block's last barrier: the roles part
         if (producer) {
           registers_down<kProducerRegs>();

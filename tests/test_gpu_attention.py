@@ -308,7 +308,7 @@ def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, mon
 
 
 @pytest.mark.parametrize("build", ["producer", "wgmma"])
-@pytest.mark.parametrize("layout", ["packed", "heads 16 bytes apart", "rows off 16 bytes"])
+@pytest.mark.parametrize("layout", ["packed", "rows off 16 bytes"])
 @pytest.mark.parametrize("query_dtype", (np.float16, "bfloat16"))
 @pytest.mark.parametrize("kv_dtype,rotation,head_size", [("int4_per_token_head", "blockdiag", 128),
                                                          ("int8_per_token_head", "blockdiag", 96),
@@ -319,10 +319,9 @@ def test_prefill_query_and_output_rows_by_bulk_copies_or_not(kv_dtype, rotation,
     """The wgmma build without the producer brings 16-bit query rows into shared
     memory, and writes the output's, by bulk copies where every row's start and
     size are 16-byte multiples (prefill.cuh, bulk_rows), and by each lane's own
-    loads and stores otherwise (and always in the producer build). Packed rows
-    go a token's heads a copy; a query whose head stride is d + 8 a row a copy;
-    a query whose head stride is d + 2 and an `out` that starts 4 bytes past a
-    16-byte boundary, and d = 36, by the lanes. A prompt of 100 tokens (blocks
+    loads and stores otherwise (and always in the producer build): here a query
+    whose head stride is d + 2 and an `out` that starts 4 bytes past a 16-byte
+    boundary, and d = 36. A prompt of 100 tokens (blocks
     of one or two key tiles: the inverse rotation's fragments come with the
     query), one of 500 and a chunk of 300 over 3000, with sinks."""
     if cupy.cuda.Device().compute_capability != "90":
@@ -340,11 +339,10 @@ def test_prefill_query_and_output_rows_by_bulk_copies_or_not(kv_dtype, rotation,
     args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
     expected = reference.paged_attention(query, cache, **args, sinks=sinks)
     bits = query.view(np.uint16)
-    off = layout == "rows off 16 bytes"
+    off = layout != "packed"
     # Off 16 bytes: the query a view whose head stride is d + 2 elements, `out`
     # contiguous from 4 bytes past an allocation's start.
-    gap = {"packed": 0, "heads 16 bytes apart": 8, "rows off 16 bytes": 2}[layout]
-    query_bits = cupy.zeros((shape[0], 8, head_size + gap), cupy.uint16)
+    query_bits = cupy.zeros((shape[0], 8, head_size + 2 * off), cupy.uint16)
     query_bits[..., :head_size] = cupy.asarray(bits)
     query_bits = query_bits[..., :head_size]
     out_backing = cupy.full(int(np.prod(shape)) + 2, 0xFFFF, cupy.uint16)   # NaN bits in either dtype
