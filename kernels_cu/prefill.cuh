@@ -644,7 +644,8 @@ struct Prefill {
   // A operands (16 rows x HEAD_PAD, the rows' values `x` in C-fragment order:
   // x[n][i] = row g + 8 (i / 2), dim 8 n + 2t + i % 2) times the power of two
   // `up[r]` that brings each row's largest |x| near 2^14, split into fp16
-  // high and low parts (~22 bits).
+  // high and (WITH_LOW) low parts (~22 bits).
+  template <bool WITH_LOW>
   static __device__ __forceinline__ void split_rows(const float (&x)[ND][4], const float (&up)[2],
                                                     u32 (&high)[KC][4], u32 (&low)[KC][4]) {
 #pragma unroll
@@ -655,8 +656,10 @@ struct Prefill {
         const float* pair = &x[2 * ks + (a >> 1)][2 * (a & 1)];
         const float v0 = pair[0] * up[a & 1], v1 = pair[1] * up[a & 1];
         high[ks][a] = pack_half2(v0, v1);
-        const float2 rounded = unpack_half2(high[ks][a]);
-        low[ks][a] = pack_half2(v0 - rounded.x, v1 - rounded.y);
+        if constexpr (WITH_LOW) {
+          const float2 rounded = unpack_half2(high[ks][a]);
+          low[ks][a] = pack_half2(v0 - rounded.x, v1 - rounded.y);
+        }
       }
     }
   }
@@ -687,8 +690,11 @@ struct Prefill {
   // y = x M for this warp's 16 rows (x in C-fragment order, M's fragments in
   // shared memory), each row times factor / up[r], then `stages` butterflies
   // across groups (the forward rotation's order: M, then the Sylvester
-  // factor); emit(n, y[4]) takes n tile n's C fragment.
-  template <class Emit>
+  // factor); emit(n, y[4]) takes n tile n's C fragment. x enters as two fp16
+  // terms (~22 bits) where MAY_LOW and with_low, else as one (exact where x
+  // holds fp16 or bf16 values); without MAY_LOW the low terms are not even
+  // worked out (a short prompt's block then skips a third of its rotation's work).
+  template <bool MAY_LOW, class Emit>
   static __device__ __forceinline__ void rotate_rows(const float (&x)[ND][4], const u8* fragments, int shift,
                                                      int stages, bool with_low, float factor, Emit emit) {
     const int lane = threadIdx.x & 31;
@@ -699,7 +705,7 @@ struct Prefill {
       for (int i = 0; i < 4; ++i) largest[i >> 1] = fmaxf(largest[i >> 1], fabsf(x[n][i]));
     const float up[2] = {fp16_range_scale(max_over_quad(largest[0])), fp16_range_scale(max_over_quad(largest[1]))};
     u32 high[KC][4], low[KC][4];
-    split_rows(x, up, high, low);
+    split_rows<MAY_LOW>(x, up, high, low);
     const float scale[2] = {factor / up[0], factor / up[1]};
     const uint2* b = reinterpret_cast<const uint2*>(fragments) + lane;
     float y[ND][4];
@@ -715,7 +721,7 @@ struct Prefill {
           const int ks = (n0 + j) >> 1;
           const uint2 fragment = b[(ks * ND + n0 + j) * 32];
           mma<false>(acc[j], high[ks], fragment.x, fragment.y);
-          if (with_low) mma<false>(acc[j], low[ks], fragment.x, fragment.y);
+          if (MAY_LOW && with_low) mma<false>(acc[j], low[ks], fragment.x, fragment.y);
         }
       } else {
 #pragma unroll
@@ -725,7 +731,7 @@ struct Prefill {
             if (!fragment_used(shift, ks, n0 + j)) continue;
             const uint2 fragment = b[(ks * ND + n0 + j) * 32];
             mma<false>(acc[j], high[ks], fragment.x, fragment.y);
-            if (with_low) mma<false>(acc[j], low[ks], fragment.x, fragment.y);
+            if (MAY_LOW && with_low) mma<false>(acc[j], low[ks], fragment.x, fragment.y);
           }
         }
       }
@@ -793,12 +799,19 @@ struct Prefill {
       stage_fragments(p.rotation_fwd, scratch);
       __syncthreads();
     }
-    // fp16 and bf16 queries are exact in the high part (row scaling included).
-    rotate_rows(raw, fragments, p.rotation_shift, p.rotation_stages, p.query_dtype == kDtypeF32, p.query_factor,
-                [&](int n, const float (&y)[4]) {
+    auto emit = [&](int n, const float (&y)[4]) {
 #pragma unroll
-                  for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = y[i];
-                });
+      for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = y[i];
+    };
+    // fp16 and bf16 queries are exact in the high part (row scaling included).
+    // The build without the producer (short prompts: prologues weigh) takes a
+    // copy of the code without the low terms for them; the producer build's
+    // long blocks keep one copy (its loop shares the registers).
+    const bool with_low = p.query_dtype == kDtypeF32;
+    if (PRODUCER || with_low)
+      rotate_rows<true>(raw, fragments, p.rotation_shift, p.rotation_stages, with_low, p.query_factor, emit);
+    else
+      rotate_rows<false>(raw, fragments, p.rotation_shift, p.rotation_stages, false, p.query_factor, emit);
     // Every warp done with the staged fragments: the query rows go there next.
     if (staged_fragments || producer_barrier) __syncthreads();
   }
@@ -891,7 +904,7 @@ struct Prefill {
       // The inverse rotation: the Sylvester factor across groups first, then the products.
       butterflies_across_groups(out, p.rotation_stages);
       trace_mark(kTraceOutputNormalised);
-      rotate_rows(out, fragments, p.rotation_shift, 0, true, p.out_factor, [&](int n, const float (&y)[4]) {
+      rotate_rows<true>(out, fragments, p.rotation_shift, 0, true, p.out_factor, [&](int n, const float (&y)[4]) {
         const int channel = 8 * n + 2 * t;
 #pragma unroll
         for (int r = 0; r < 2; ++r)
