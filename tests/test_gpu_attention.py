@@ -321,9 +321,10 @@ def test_prefill_query_and_output_rows_by_bulk_copies_or_not(kv_dtype, rotation,
     size are 16-byte multiples (prefill.cuh, bulk_rows), and by each lane's own
     loads and stores otherwise (and always in the producer build): here a query
     whose head stride is d + 2 and an `out` that starts 4 bytes past a 16-byte
-    boundary, and d = 36. A prompt of 100 tokens (blocks
-    of one or two key tiles: the inverse rotation's fragments come with the
-    query), one of 500 and a chunk of 300 over 3000, with sinks."""
+    boundary, and d = 36. A prompt of 100 tokens (blocks of one or two key
+    tiles: the inverse rotation's fragments come with the query), one of 500
+    and a chunk of 300 over 3000, with sinks. (Which path a block took is not
+    observable here: the layouts choose it, prefill.cuh's bulk_rows.)"""
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma builds serve sm_90 GPUs")
     monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", build == "producer")
