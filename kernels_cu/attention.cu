@@ -116,11 +116,15 @@ extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS, KVC_MIN_BLOCKS) pag
 #ifndef KVC_PRODUCER
 #define KVC_PRODUCER 0
 #endif
+#ifndef KVC_DIRECT
+#define KVC_DIRECT 0
+#endif
 // Prefill: KVC_WARPS warps of 16 query rows a block, one KV head (prefill.cuh);
 // KVC_WGMMA=1 (sm_90a builds): warpgroup products; KVC_PRODUCER=1 with it: the
-// last warpgroup stages and decodes the tiles for the others.
+// last warpgroup stages and decodes the tiles for the others; KVC_DIRECT=1 with
+// that (16-bit caches): it copies them into the products' layout, no decoding.
 typedef Prefill<KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, KVC_CHUNK, KVC_WGMMA != 0,
-                KVC_PRODUCER != 0>
+                KVC_PRODUCER != 0, KVC_DIRECT != 0>
     PrefillKernel;
 
 extern "C" __global__ void __launch_bounds__(32 * KVC_WARPS, KVC_MIN_BLOCKS) prefill_attention(KVC_ATTENTION_ARGS) {

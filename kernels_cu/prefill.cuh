@@ -84,13 +84,16 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 #define KVC_PRODUCER_REGS 56   // the fewest that spill nothing (producer's loop; 40 spilled 16-120 bytes)
 #endif
 
-template <int KV, int HEAD_PAD, int WARPS, int TILE, int STAGES, int CHUNK, bool WGMMA = false, bool PRODUCER = false>
+template <int KV, int HEAD_PAD, int WARPS, int TILE, int STAGES, int CHUNK, bool WGMMA = false, bool PRODUCER = false,
+          bool DIRECT = false>
 struct Prefill {
   static_assert(HEAD_PAD % 32 == 0 && HEAD_PAD <= 128, "head size class: 32 .. 128");
   static_assert(TILE % 16 == 0 && TILE <= 128, "tiles are whole 16-token k steps");
   static_assert(CHUNK == 1 || CHUNK == 4 || CHUNK == 8 || CHUNK == 16, "copy granule");
   static_assert(!WGMMA || (WARPS % 4 == 0 && TILE % 32 == 0), "wgmma: whole warpgroups, tiles of 32 .. 128 tokens");
   static_assert(!PRODUCER || (WGMMA && WARPS >= 8), "a producer warpgroup beside consumer warpgroups (wgmma)");
+  static_assert(!DIRECT || (PRODUCER && (KV == KV_F16 || KV == KV_BF16) && CHUNK >= 4),
+                "direct tiles: 16-bit rows of the producer build, whole 4-byte pieces");
   static constexpr int kThreads = 32 * WARPS;
   static constexpr int kConsumerWarps = PRODUCER ? WARPS - 4 : WARPS;   // warps with query rows
   static constexpr int kConsumerThreads = 32 * kConsumerWarps;
@@ -104,14 +107,25 @@ struct Prefill {
   // quantized caches, and 16-bit ones in wgmma builds (decode_tile: fp16 rows
   // copied, bf16 rows converted with a power-of-two scale a row).
   static constexpr bool kDecoded = kQuantized || WGMMA;
-  // bf16 operands (the mma.sync build over bf16 rows read in place): P then
-  // enters as a two-term split. Every other build's operands are fp16.
-  static constexpr bool kBf16 = KV == KV_BF16 && !kDecoded;
+  // DIRECT (16-bit rows, the producer build): the producer copies the rows
+  // straight into the decoded buffers' core matrices, where the products read
+  // them as they are stored: no raw stages, no decoding pass, no scales (every
+  // token's is 1). bf16 rows then enter as bf16 operands, the query and P
+  // too; the launcher takes it for bf16 rows only where the query is bf16 and
+  // not rotated (so the query enters exactly, as an fp16 query does fp16
+  // rows), and P rounds to bf16 (2^-9 relative, FlashAttention's arithmetic).
+  static constexpr bool kUnitScales = DIRECT;
+  // bf16 operands: the mma.sync build over bf16 rows read in place, whose P
+  // then enters as a two-term split (kSplitP), and DIRECT bf16 rows. Every
+  // other build's operands are fp16.
+  static constexpr bool kBf16 = KV == KV_BF16 && (!kDecoded || DIRECT);
+  static constexpr bool kSplitP = KV == KV_BF16 && !kDecoded;
   // The P operand is p x V scale / R times this (a power of two): 16-bit rows'
   // decoded values reach 2^14 (bf16) or 65504 (fp16) where codes stay below
   // 2^7, so P has room above 1, and a token whose V scale is far below R keeps
-  // its fp16 precision (p x scale / R below 2^-14 would be subnormal).
-  static constexpr float kProbabilityLift = kDecoded && !kQuantized ? 1024.f : 1.f;
+  // its fp16 precision (p x scale / R below 2^-14 would be subnormal). bf16
+  // operands (float32's exponents) need no lift.
+  static constexpr float kProbabilityLift = kDecoded && !kQuantized && !kBf16 ? 1024.f : 1.f;
   static constexpr float kLog2e = 1.4426950408889634f;
   static constexpr int kDimBits = KV == KV_INT4 ? 4 : kQuantized ? 8 : 16;
   static constexpr int kRowBytes = HEAD_PAD * kDimBits / 8;   // a staged row (one KV head)
@@ -127,14 +141,15 @@ struct Prefill {
   static constexpr int kRawStride = !kQuantized ? kDecodedStride : kRowBytes % 32 == 0 ? kRowBytes + 16 : kRowBytes;
   static constexpr int kRawTensorBytes = TILE * kRawStride;
   static constexpr int kRawScaleBytes = kQuantized ? TILE * 4 : 0;
-  static constexpr int kStageBytes = 2 * kRawTensorBytes + 2 * kRawScaleBytes;
+  static constexpr int kStageBytes = DIRECT ? 0 : 2 * kRawTensorBytes + 2 * kRawScaleBytes;
   // wgmma reads core matrices: no padding.
   static constexpr int kDecodedTensorBytes = TILE * (WGMMA ? 2 * HEAD_PAD : kDecodedStride);
   // A decoded tile (quantized caches): K rows, V rows, then K and V scales as
   // floats; two of them (the next tile decoded while this one is used), three
   // with wgmma (and the one before still read by output products in flight).
-  static constexpr int kDecodedBuffers = WGMMA ? 3 : 2;
-  static constexpr int kDecodedBufferBytes = 2 * kDecodedTensorBytes + 2 * TILE * 4;
+  // DIRECT: STAGES + 3, the tiles in flight besides those three.
+  static constexpr int kDecodedBuffers = DIRECT ? STAGES + 3 : WGMMA ? 3 : 2;
+  static constexpr int kDecodedBufferBytes = 2 * kDecodedTensorBytes + (kUnitScales ? 0 : 2 * TILE * 4);
   static constexpr int kDecodedBytes = kDecoded ? kDecodedBuffers * kDecodedBufferBytes : 0;
   // Query rows of a warp, high or low halves: 16 rows as decoded ones. With
   // wgmma, a warpgroup's 64 rows, one fp16 term (kQueryTerms: see run()).
@@ -181,6 +196,7 @@ struct Prefill {
 
   // Stage `stage` <- raw K / V rows (and scale words) of tokens base .. base + TILE - 1
   // in [lo, hi) of KV head `head`; other tokens, and ids outside the cache, zero-filled.
+  // DIRECT: decoded buffer `stage` <- the rows as its core matrices.
   static __device__ __forceinline__ void stage_tile(const Params& p, u8* smem, int stage, int head, int base, int lo,
                                                     int hi, int block_shift,
                                                     const typename Pages::PageWindow& window, int stager) {
@@ -188,6 +204,11 @@ struct Prefill {
     u8* values = keys + kRawTensorBytes;
     constexpr int kPieceBytes = CHUNK == 1 ? 4 : CHUNK;
     constexpr int kPieces = kRowBytes / kPieceBytes;
+    if constexpr (DIRECT) {
+      stage_direct<kPieces>(p, smem + STAGES * kStageBytes + stage * kDecodedBufferBytes, head, base, lo, hi,
+                            block_shift, window, stager);
+      return;
+    }
     if constexpr (CHUNK > 1 && kStagers % kPieces == 0 && !kQuantized) {
       // 16-bit rows: every token a stager copies takes the same piece, so the
       // piece's offsets are worked out once and each token costs a block id and
@@ -245,6 +266,68 @@ struct Prefill {
         stage_scale_words(p, key_scales + 4 * token, value_scales + 4 * token, block, slot, head, valid);
       }
     }
+  }
+
+  // DIRECT staging of a tile's rows into `buffer`: work item c is piece
+  // (c / 8) % PIECES of token 8 (c / (8 PIECES)) + c % 8, so that 8 lanes
+  // side by side write the same piece of 8 consecutive tokens: one core
+  // matrix's 128 contiguous bytes (a token's pieces lie 128 bytes apart: a
+  // warp taking them in a row would hit one bank group). Where the stagers
+  // divide the work into whole columns of pieces, each stager keeps its piece
+  // and its offsets, and a token costs a block id and two addresses.
+  template <int PIECES>
+  static __device__ __forceinline__ void stage_direct(const Params& p, u8* buffer, int head, int base, int lo, int hi,
+                                                      int block_shift, const typename Pages::PageWindow& window,
+                                                      int stager) {
+    u8* const keys = buffer;
+    u8* const values = buffer + kDecodedTensorBytes;
+    constexpr int kWork = TILE * PIECES;
+    if constexpr (kStagers % (8 * PIECES) == 0) {
+      constexpr int kTokenStep = kStagers / PIECES;   // a multiple of 8
+      const int piece = (stager >> 3) % PIECES, first = (stager & 7) + 8 * (stager / (8 * PIECES));
+      const int offset = piece * CHUNK;
+      const bool in_row = offset < p.row_bytes;
+      const long long key_part = head * p.k_head_stride + offset, value_part = head * p.v_head_stride + offset;
+      const int target = kvc_wgmma::core_offset(first, offset / 2, HEAD_PAD);
+#pragma unroll
+      for (int i = 0; i < (TILE + kTokenStep - 1) / kTokenStep; ++i) {
+        const int token = first + i * kTokenStep;
+        const int position = base + token;
+        const int block = Pages::block_of(window, position >> block_shift);   // every lane shuffles
+        if (TILE % kTokenStep != 0 && token >= TILE) continue;
+        const bool valid = block >= 0 && position >= lo && position < hi;
+        const long long slot = position & (p.block_size - 1);
+        const int bytes = valid && in_row ? CHUNK : 0;
+        const u8* key_src = p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + key_part;
+        const u8* value_src = p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + value_part;
+        const int at = target + i * (kTokenStep / 8) * HEAD_PAD * 16;   // core_offset(token, offset / 2)
+        cp_async(keys + at, bytes ? key_src : p.key_cache, bytes, CHUNK);
+        cp_async(values + at, bytes ? value_src : p.value_cache, bytes, CHUNK);
+      }
+    } else {
+#pragma unroll 1
+      for (int c0 = 0; c0 < kWork; c0 += kStagers) {
+        const int c = c0 + stager;
+        const int token = 8 * (c / (8 * PIECES)) + (c & 7), piece = (c >> 3) % PIECES;
+        const int position = base + token;
+        const int block = Pages::block_of(window, position >> block_shift);   // every lane shuffles
+        if (c >= kWork) continue;
+        const bool valid = block >= 0 && position >= lo && position < hi;
+        const long long slot = position & (p.block_size - 1);
+        const int offset = piece * CHUNK;
+        const int at = kvc_wgmma::core_offset(token, offset / 2, HEAD_PAD);
+        stage_row_piece<CHUNK>(p, keys + at, values + at, block, slot, head, offset, valid);
+      }
+    }
+  }
+
+  // Element offset of block row `row` in the query or the output (token_stride,
+  // head_stride: its element strides): token q_begin + row / group, query head
+  // kv_head x group + row % group.
+  static __device__ __forceinline__ long long row_offset(const Params& p, int q_begin, int row, int kv_head,
+                                                         long long token_stride, long long head_stride) {
+    return (q_begin + row / p.group) * token_stride +
+           static_cast<long long>(kv_head * p.group + row % p.group) * head_stride;
   }
 
   // Where logical dim `dim` of decoded row `row` (K rows, then V rows) lies.
@@ -455,8 +538,9 @@ struct Prefill {
       for (int c = 0; c < 4; ++c) chain[r][c] = -KVC_INFINITY;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      const float2 key_scale = kDecoded ? *reinterpret_cast<const float2*>(key_scales + 8 * n + 2 * t)
-                                          : make_float2(1.f, 1.f);
+      const float2 key_scale = kDecoded && !kUnitScales
+                                   ? *reinterpret_cast<const float2*>(key_scales + 8 * n + 2 * t)
+                                   : make_float2(1.f, 1.f);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int r = i >> 1;
@@ -485,12 +569,13 @@ struct Prefill {
   static __device__ __forceinline__ void probabilities(const float (&score)[NT][4], const float* value_scales,
                                                        float to_reference, const float (&exp_scale)[2],
                                                        const float (&shift)[2], int t, u32 (&p_high)[NT][2],
-                                                       u32 (&p_low)[kBf16 ? NT : 1][2], float (&tile_sum)[2]) {
+                                                       u32 (&p_low)[kSplitP ? NT : 1][2], float (&tile_sum)[2]) {
     float chain[2][4] = {};   // four independent sums a row, as in row_unit_scores
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      float2 value_scale = kDecoded ? *reinterpret_cast<const float2*>(value_scales + 8 * n + 2 * t)
-                                    : make_float2(1.f, 1.f);
+      float2 value_scale = kDecoded && !kUnitScales
+                               ? *reinterpret_cast<const float2*>(value_scales + 8 * n + 2 * t)
+                               : make_float2(1.f, 1.f);
       value_scale.x *= to_reference;
       value_scale.y *= to_reference;
       float w[4];
@@ -499,11 +584,11 @@ struct Prefill {
         const float prob = fast_exp2(fmaf(score[n][i], exp_scale[i >> 1], -shift[i >> 1]));
         chain[i >> 1][2 * (n & 1) + (i & 1)] += prob;
         w[i] = kDecoded ? prob * (i & 1 ? value_scale.y : value_scale.x) : prob;
-        if (kDecoded && MASKED && prob == 0.f) w[i] = 0.f;
+        if (kDecoded && !kUnitScales && MASKED && prob == 0.f) w[i] = 0.f;
       }
       p_high[n][0] = pack(w[0], w[1]);
       p_high[n][1] = pack(w[2], w[3]);
-      if constexpr (kBf16) {
+      if constexpr (kSplitP) {
         const float2 h0 = unpack(p_high[n][0]), h1 = unpack(p_high[n][1]);
         p_low[n][0] = pack(w[0] - h0.x, w[1] - h0.y);
         p_low[n][1] = pack(w[2] - h1.x, w[3] - h1.y);
@@ -770,19 +855,14 @@ struct Prefill {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row_begin + (lane >> 2) + 8 * r;
-        const long long start = row_valid[r] ? (q_begin + row / p.group) * p.q_token_stride +
-                                                   static_cast<long long>(kv_head * p.group + row % p.group) *
-                                                       p.q_head_stride
-                                             : 0;
+        const long long start =
+            row_valid[r] ? row_offset(p, q_begin, row, kv_head, p.q_token_stride, p.q_head_stride) : 0;
         rows[r] = static_cast<const u8*>(p.query_in) + start * element_bytes;
       }
     }
     // The fragments in shared memory: staged here, or come with the rows (bulk);
     // without bulk copies, those in 16-dim groups are read where they lie.
     const bool staged_fragments = p.rotation_shift >= 0 && (p.rotation_shift != kGroupShift || staged != nullptr);
-    // PRODUCER: the producer decodes into the staged rows' buffers once it is
-    // past this function; a barrier after the last read of them, where none follows.
-    const bool producer_barrier = PRODUCER && staged != nullptr && !staged_fragments;
     float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), dim 8 n + 2t + i % 2
     if (p.rotation_shift < 0) {
       load_query_elements<true>(p, rows, row_valid, p.query_factor, raw);
@@ -790,7 +870,6 @@ struct Prefill {
       for (int n = 0; n < ND; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = raw[n][i];
-      if (producer_barrier) __syncthreads();
       return;
     }
     load_query_elements<false>(p, rows, row_valid, 1.f, raw);
@@ -813,7 +892,7 @@ struct Prefill {
     else
       rotate_rows<false>(raw, fragments, p.rotation_shift, p.rotation_stages, false, p.query_factor, emit);
     // Every warp done with the staged fragments: the query rows go there next.
-    if (staged_fragments || producer_barrier) __syncthreads();
+    if (staged_fragments) __syncthreads();
   }
 
   // A barrier of the warps with query rows (every warp without a producer).
@@ -854,9 +933,8 @@ struct Prefill {
     for (int r = 0; r < 2; ++r) {
       const int row = row_begin + (lane >> 2) + 8 * r;
       const int head = kv_head * p.group + row % p.group;
-      const long long start = row_valid[r] ? (q_begin + row / p.group) * p.out_token_stride +
-                                                 static_cast<long long>(head) * p.out_head_stride
-                                           : 0;
+      const long long start =
+          row_valid[r] ? row_offset(p, q_begin, row, kv_head, p.out_token_stride, p.out_head_stride) : 0;
       rows[r] = bulk_out ? staged + ((lane >> 2) + 8 * r) * kDecodedStride
                          : static_cast<u8*>(p.out) + start * element_bytes;
       const float sum = sum_over_quad(running_sum[r]);
@@ -916,8 +994,7 @@ struct Prefill {
       __syncwarp();
       const int row = row_begin + lane;
       if (lane < 16 && row < total_rows) {
-        const long long start = (q_begin + row / p.group) * p.out_token_stride +
-                                static_cast<long long>(kv_head * p.group + row % p.group) * p.out_head_stride;
+        const long long start = row_offset(p, q_begin, row, kv_head, p.out_token_stride, p.out_head_stride);
         bulk_store(static_cast<u8*>(p.out) + 2 * start, staged + lane * kDecodedStride, 2 * p.head_size);
         bulk_stores_read();   // before the block's shared memory goes
       }
@@ -946,6 +1023,10 @@ struct Prefill {
                                                  typename Pages::PageWindow& window, u8* full, u8* empty,
                                                  int stager) {
     u8* const decoded = smem + STAGES * kStageBytes;
+    if constexpr (DIRECT) {
+      produce_direct(p, smem, kv_head, key_lo, key_hi, block_shift, table, num_tiles, window, full, empty, stager);
+      return;
+    }
     // Tile t's copies are the t-th group: the first STAGES went out before the
     // loop, and each pass from the second on commits one group (tile t - 1 +
     // STAGES, or none near the end). Before tile t's wait, STAGES groups are
@@ -973,6 +1054,35 @@ struct Prefill {
       mbarrier_arrive(full + 8 * buffer);
     }
     cp_async_wait<0>();
+  }
+
+  // DIRECT: tile t's copies go straight into decoded buffer t % kDecodedBuffers,
+  // once the consumers are done with that buffer's previous tile, as the t-th
+  // cp.async group (the first STAGES went out before the loop, as raw tiles
+  // do). Pass t (from STAGES on) issues tile t, or an empty group near the end,
+  // then waits until all but the newest STAGES groups have landed: tile t -
+  // STAGES is in; each stager makes its own copies' writes visible to the
+  // async proxy (the wgmma operands) and arrives on that tile's "full" barrier.
+  // Buffers t - STAGES .. t are in flight then, and the consumers hold two
+  // more (a tile's scores, the tile before's output products): STAGES + 3.
+  static __device__ __forceinline__ void produce_direct(const Params& p, u8* smem, int kv_head, int key_lo,
+                                                        int key_hi, int block_shift, const int* table, int num_tiles,
+                                                        typename Pages::PageWindow& window, u8* full, u8* empty,
+                                                        int stager) {
+#pragma unroll 1
+    for (int tile = STAGES; tile < num_tiles + STAGES; ++tile) {
+      if (tile < num_tiles) {
+        const int buffer = tile % kDecodedBuffers;
+        if (tile >= kDecodedBuffers) mbarrier_wait(empty + 8 * buffer, (tile / kDecodedBuffers - 1) & 1);
+        const int base = key_lo + tile * TILE;
+        Pages::slide_window(window, p, table, base >> block_shift, key_lo, key_hi, block_shift);
+        stage_tile(p, smem, buffer, kv_head, base, key_lo, key_hi, block_shift, window, stager);
+      }
+      cp_async_commit();
+      cp_async_wait<STAGES>();
+      fence_proxy_async();
+      mbarrier_arrive(full + 8 * ((tile - STAGES) % kDecodedBuffers));
+    }
   }
 
   static __device__ void run(const Params& p, int block_shift) {
@@ -1081,8 +1191,7 @@ struct Prefill {
       }
       mbarrier_arrive_expect(query_barrier, (copies_row ? row_bytes : 0u) + part_bytes);
       if (copies_row) {
-        const long long start = (q_begin + row / p.group) * p.q_token_stride +
-                                static_cast<long long>(kv_head * p.group + row % p.group) * p.q_head_stride;
+        const long long start = row_offset(p, q_begin, row, kv_head, p.q_token_stride, p.q_head_stride);
         bulk_copy(decoded + threadIdx.x * kDecodedStride, static_cast<const u8*>(p.query_in) + 2 * start, row_bytes,
                   query_barrier);
       }
@@ -1180,7 +1289,7 @@ struct Prefill {
 #pragma unroll
       for (int i = 0; i < 4; ++i) out[n][i] = 0.f;
     float running_max[2] = {-KVC_INFINITY, -KVC_INFINITY}, running_sum[2] = {0.f, 0.f};
-    float reference = kDecoded ? 0.f : 1.f;   // R: the V scale the accumulators are in
+    float reference = kDecoded && !kUnitScales ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
     if (!PRODUCER && kDecoded && num_tiles > 0) {
       cp_async_wait<STAGES - 1>();
@@ -1192,7 +1301,7 @@ struct Prefill {
     // running maxima, sums and reference updated, P in p_high (bf16: and p_low);
     // returns the factors of the accumulators' rows g and g + 8 for the tile.
     auto softmax_tile = [&](float (&score)[NT][4], const float* key_scales, const float* value_scales, int base,
-                            u32 (&p_high)[NT][2], u32 (&p_low)[kBf16 ? NT : 1][2]) {
+                            u32 (&p_high)[NT][2], u32 (&p_low)[kSplitP ? NT : 1][2]) {
       // Scores in "row units" (z = q_up . k x key scale: the row's true logit
       // times 2^k, the row's query scaling, exact), capped and masked; the tile's
       // maximum per row. The softmax then works in log2 units through one FMA a
@@ -1207,7 +1316,7 @@ struct Prefill {
         row_unit_scores<true>(score, key_scales, p, base, t, key_hi, row_position, row_valid, row_unscale, tile_max);
       // V scales of the tile: the new reference R.
       float tile_reference = reference;
-      if constexpr (kDecoded) {
+      if constexpr (kDecoded && !kUnitScales) {
         float chain[4] = {};   // independent chains, as in row_unit_scores
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
@@ -1219,9 +1328,11 @@ struct Prefill {
         largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
         tile_reference = fmaxf(reference, largest);
       }
-      const float rescale_values = tile_reference == reference ? 1.f
+      const float rescale_values = kUnitScales || tile_reference == reference ? 1.f
                                    : tile_reference > 0.f ? __fdividef(reference, tile_reference) : 0.f;
-      const float to_reference = tile_reference > 0.f ? __fdividef(kProbabilityLift, tile_reference) : kProbabilityLift;
+      const float to_reference = kUnitScales ? kProbabilityLift
+                                 : tile_reference > 0.f ? __fdividef(kProbabilityLift, tile_reference)
+                                                        : kProbabilityLift;
       reference = tile_reference;
 
       float alpha[2], shift[2];
@@ -1265,12 +1376,12 @@ struct Prefill {
         if constexpr (PRODUCER) {   // the query from registers
 #pragma unroll
           for (int kc = 0; kc < KC; ++kc)
-            kvc_wgmma::Products<TILE>::rs_k(score, query_fragments[kc], key_operand + 16 * kc);
+            kvc_wgmma::Products<TILE, kBf16>::rs_k(score, query_fragments[kc], key_operand + 16 * kc);
         } else {   // the query rows from shared memory
           const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
 #pragma unroll
           for (int kc = 0; kc < KC; ++kc)
-            kvc_wgmma::Products<TILE>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
+            kvc_wgmma::Products<TILE, kBf16>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
         }
         kvc_wgmma::commit();
       }
@@ -1286,7 +1397,7 @@ struct Prefill {
 #pragma unroll
         for (int j = 0; j < TILE / 16; ++j) {
           const u32 a_high[4] = {p_high[2 * j][0], p_high[2 * j][1], p_high[2 * j + 1][0], p_high[2 * j + 1][1]};
-          kvc_wgmma::Products<HEAD_PAD>::rs_mn(out, a_high, value_operand + 2 * j * HEAD_PAD);   // 32 j HEAD_PAD bytes
+          kvc_wgmma::Products<HEAD_PAD, kBf16>::rs_mn(out, a_high, value_operand + 2 * j * HEAD_PAD);   // 32 j HEAD_PAD bytes
         }
       }
     };
@@ -1390,7 +1501,7 @@ struct Prefill {
         }
       }
 
-      u32 p_high[NT][2], p_low[kBf16 ? NT : 1][2];
+      u32 p_high[NT][2], p_low[kSplitP ? NT : 1][2];
       rescale_out(softmax_tile(score, key_scales, value_scales, base, p_high, p_low));
       // Output: k step j is tokens 16 j .. 16 j + 15, i.e. score tiles 2j, 2j + 1.
       if constexpr (WGMMA) {   // waited for by the next tile's wait (or after the loop)
@@ -1401,7 +1512,7 @@ struct Prefill {
       for (int j = 0; j < TILE / 16 && !WGMMA; ++j) {
         const u32 a_high[4] = {p_high[2 * j][0], p_high[2 * j][1], p_high[2 * j + 1][0], p_high[2 * j + 1][1]};
         u32 a_low[4];
-        if constexpr (kBf16) {
+        if constexpr (kSplitP) {
           a_low[0] = p_low[2 * j][0], a_low[1] = p_low[2 * j][1];
           a_low[2] = p_low[2 * j + 1][0], a_low[3] = p_low[2 * j + 1][1];
         }
@@ -1413,7 +1524,7 @@ struct Prefill {
                                    2 * (8 * n + 8 * (lane >> 4)));
           mma<kBf16>(out[n], a_high, b[0], b[1]);
           mma<kBf16>(out[n + 1], a_high, b[2], b[3]);
-          if constexpr (kBf16) {
+          if constexpr (kSplitP) {
             mma<kBf16>(out[n], a_low, b[0], b[1]);
             mma<kBf16>(out[n + 1], a_low, b[2], b[3]);
           }

@@ -1,6 +1,6 @@
 // Hopper warpgroup products (wgmma.mma_async, sm_90a): a warpgroup of 4 warps
-// computes D[64 x N] += A[64 x 16] . B[16 x N], fp16 operands, fp32
-// accumulators, asynchronously: issue, commit, wait.
+// computes D[64 x N] += A[64 x 16] . B[16 x N], fp16 operands (bf16 ones with
+// Products' BF16), fp32 accumulators, asynchronously: issue, commit, wait.
 //
 // Register layouts are those of mma.sync.m16n8k16, warp w of the warpgroup
 // holding rows 16 w .. 16 w + 15: accumulator d[j][i] of lane (g, t) is row
@@ -80,13 +80,19 @@ __device__ __forceinline__ void hold(float (&d)[J][4]) {
 // rs_k: A from registers, B K-major (rows of a [token][dim] tile as B = K^T).
 // a0..a5: the operand numbers after the N / 2 accumulators.
 #define KVC_WGMMA_SHAPE(N, D, R, a0, a1, a2, a3, a4, a5)                                                      \
-  template <>                                                                                                 \
-  struct Products<N> {                                                                                        \
+  template <bool BF16>                                                                                        \
+  struct Products<N, BF16> {                                                                                  \
     static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b) {                           \
-      KVC_WGMMA_ASM(asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                 \
-                                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" R "}, %" #a0      \
-                                 ", %" #a1 ", p, 1, 1, 0, 0;\n}\n"                                            \
-                                 : D : "l"(a), "l"(b)));                                                      \
+      if constexpr (BF16)                                                                                     \
+        KVC_WGMMA_ASM(asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                               \
+                                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" R "}, %" #a0  \
+                                   ", %" #a1 ", p, 1, 1, 0, 0;\n}\n"                                          \
+                                   : D : "l"(a), "l"(b)));                                                    \
+      else                                                                                                    \
+        KVC_WGMMA_ASM(asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                               \
+                                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" R "}, %" #a0    \
+                                   ", %" #a1 ", p, 1, 1, 0, 0;\n}\n"                                          \
+                                   : D : "l"(a), "l"(b)));                                                    \
     }                                                                                                         \
     static __device__ __forceinline__ void rs_mn(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {            \
       rs<1>(d, a, b);                                                                                         \
@@ -96,14 +102,20 @@ __device__ __forceinline__ void hold(float (&d)[J][4]) {
     }                                                                                                         \
     template <int TRANSPOSE_B>                                                                                \
     static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {               \
-      KVC_WGMMA_ASM(asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                 \
-                                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" R "}, {%" #a0     \
-                                 ", %" #a1 ", %" #a2 ", %" #a3 "}, %" #a4 ", p, 1, 1, %" #a5 ";\n}\n"         \
-                                 : D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TRANSPOSE_B))); \
+      if constexpr (BF16)                                                                                     \
+        KVC_WGMMA_ASM(asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                               \
+                                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" R "}, {%" #a0 \
+                                   ", %" #a1 ", %" #a2 ", %" #a3 "}, %" #a4 ", p, 1, 1, %" #a5 ";\n}\n"       \
+                                   : D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TRANSPOSE_B))); \
+      else                                                                                                    \
+        KVC_WGMMA_ASM(asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                               \
+                                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" R "}, {%" #a0   \
+                                   ", %" #a1 ", %" #a2 ", %" #a3 "}, %" #a4 ", p, 1, 1, %" #a5 ";\n}\n"       \
+                                   : D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TRANSPOSE_B))); \
     }                                                                                                         \
   };
 
-template <int N>
+template <int N, bool BF16 = false>
 struct Products;
 KVC_WGMMA_SHAPE(32, KVC_D32, KVC_R32, 16, 17, 18, 19, 20, 21)
 KVC_WGMMA_SHAPE(64, KVC_D64, KVC_R64, 32, 33, 34, 35, 36, 37)

@@ -30,7 +30,13 @@ averages further: measured 3-5e-4 relative on these tests' cases (two terms:
 2-3e-4), inside the same bound. Its auto caches enter the products as fp16
 rows: fp16 ones as they are, a bf16 row times a power of two of its own
 (exact for every value down to 2^-30 of the row's largest, smaller ones off by
-under 2^-38 of it), so the same arithmetic holds, with P times 2^10.
+under 2^-38 of it), so the same arithmetic holds, with P times 2^10. The producer build copies
+fp16 rows as they are (the same arithmetic) and takes bf16 rows as bf16
+operands under a bf16 query that is not rotated: the query and every row then
+enter exactly, and P rounds to bf16 (2^-9 relative each; independent roundings
+average to about 2^-9 / sqrt(3) ~ 1.1e-3 of the output at most where one token
+dominates, less over many), under the same bound; such outputs are bf16, whose
+own rounding (2^-9) the bound adds.
 """
 
 from __future__ import annotations
@@ -305,6 +311,45 @@ def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, mon
                              rotation="blockdiag", seed=head_size, **options)
     assert chosen and all(kernel.producer for kernel in chosen), chosen
     check(f"prefill producer {kv_dtype} d={head_size} {options}", out, expected, np.float32)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(sliding_window=700), dict(softcap=5.0), dict(sinks=True)],
+                         ids=["plain", "window", "softcap", "sinks"])
+@pytest.mark.parametrize("head_size", (128, 80))
+@pytest.mark.parametrize("model_dtype,query_dtype,rotation,direct", [
+    ("bfloat16", "bfloat16", "none", True), ("bfloat16", "bfloat16", "blockdiag", False),
+    ("bfloat16", np.float32, "none", False), (np.float16, "bfloat16", "blockdiag", True),
+    (np.float16, np.float16, "none", True)])
+def test_prefill_direct_rows(model_dtype, query_dtype, rotation, direct, head_size, options, monkeypatch):
+    """The producer build over auto caches copies the rows straight into the
+    products' layout (prefill.cuh, DIRECT): bf16 rows as bf16 operands where the
+    query is bf16 and not rotated (otherwise the decoding pass, which these cases
+    pin too), and fp16 rows under any query (PREFILL_DIRECT_F16, on here). A
+    chunk of 256 tokens over 5744 cached and a prompt of 700: 95 key tiles
+    through the buffers; d = 80 pads its rows to 96 dims with zero-filled
+    copies."""
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the producer build is a wgmma build: sm_90 GPUs")
+    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", True)
+    monkeypatch.setattr(cuda_attention, "PREFILL_DIRECT_F16", True)
+    taken = []   # the builds the calls take
+    for_query = cuda_attention.PrefillKernel.for_query
+
+    def recorded(kernel, *args):
+        taken.append(for_query(kernel, *args))
+        return taken[-1]
+
+    monkeypatch.setattr(cuda_attention.PrefillKernel, "for_query", recorded)
+    bf16 = kc.formats.MODEL_DTYPES["bfloat16"]
+    model_dtype = bf16 if model_dtype == "bfloat16" else np.dtype(model_dtype)
+    query_dtype = bf16 if query_dtype == "bfloat16" else np.dtype(query_dtype)
+    options = dict(options, sinks=np.zeros(1)) if options.get("sinks") else options   # random logits in run_case
+    out, expected = run_case(kv_dtype="auto", head_size=head_size, seq_lens=(6000, 700), query_lens=(256, 700),
+                             model_dtype=model_dtype, query_dtype=query_dtype, rotation=rotation, seed=head_size,
+                             **options)
+    assert taken and all(kernel.producer and kernel.direct == direct for kernel in taken), taken
+    check(f"prefill direct={direct} {model_dtype} rows, q={query_dtype} {rotation} d={head_size} {options}", out,
+          expected, query_dtype)
 
 
 @pytest.mark.parametrize("build", ["producer", "wgmma"])

@@ -41,7 +41,7 @@ def launcher_kernel(defines: dict) -> Kernel | PrefillKernel:
     if "KVC_PREFILL_KV" in defines:
         return PrefillKernel(defines["KVC_PREFILL_KV"], defines["KVC_HEAD_PAD"], defines["KVC_TILE"],
                              defines["KVC_CHUNK"], defines["KVC_WARPS"], bool(defines.get("KVC_WGMMA", 0)),
-                             bool(defines.get("KVC_PRODUCER", 0)))
+                             bool(defines.get("KVC_PRODUCER", 0)), bool(defines.get("KVC_DIRECT", 0)))
     return Kernel(defines["KVC_ATTN_KV"], defines["KVC_HEAD_PAD"], defines["KVC_HEADS"], defines["KVC_QUADS"],
                   defines["KVC_TILE"], defines["KVC_CHUNK"], defines["KVC_STAGING"], defines["KVC_STAGES"])
 
@@ -50,7 +50,7 @@ def kernel_constant(text: str, kernel: Kernel | PrefillKernel) -> int:
     """kSharedBytes of the kernel's own template instance (Itanium-mangled in the PTX)."""
     if isinstance(kernel, PrefillKernel):
         arguments = (kernel.kv, kernel.head_pad, kernel.warps, kernel.tile, kernel.stages, kernel.chunk)
-        name = "7PrefillI" + "".join(f"Li{a}E" for a in arguments) + f"Lb{int(kernel.wgmma)}ELb{int(kernel.producer)}E"
+        name = "7PrefillI" + "".join(f"Li{a}E" for a in arguments) + f"Lb{int(kernel.wgmma)}ELb{int(kernel.producer)}ELb{int(kernel.direct)}E"
     else:
         arguments = (kernel.kv, kernel.head_pad, kernel.heads, kernel.quads, kernel.tile, kernel.stages,
                      kernel.chunk)

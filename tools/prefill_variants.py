@@ -3,13 +3,18 @@
     PYTHONPATH=. python3 tools/prefill_variants.py VARIANTS [SHAPES]
 
 VARIANTS is a JSON list; each variant has a "name" and any of:
-  "dtypes":     KV dtypes to time (default ["int4_per_token_head"])
+  "dtypes":     KV dtypes to time (default ["int4_per_token_head"]); "auto_bf16": an auto
+                cache of bf16 rows under a bf16 query (torch tensors; "auto" is fp16 rows
+                under an fp16 query)
   "src":        a folder of kernel sources to compile instead of kernels_cu/ (KVCUPY_KERNEL_DIR)
   "tile", "warps", "min_blocks": the prefill kernel's tokens a tile, warps a block and
                 __launch_bounds__ minimum blocks, forced (cuda_attention.PREFILL_*)
   "defines":    extra -D defines
   "wgmma":      false: the mma.sync build on sm_90 too (cuda_attention.PREFILL_WGMMA)
   "producer":   the wgmma build with or without its producer warpgroup (cuda_attention.PREFILL_PRODUCER)
+  "direct":     false: 16-bit rows decoded in the producer build, not copied into
+                the products' layout (cuda_attention.PREFILL_DIRECT)
+  "direct_stages": the direct builds' tiles in flight at most (cuda_attention.PREFILL_DIRECT_STAGES)
   "producer_min_keys": keys a sequence from which the planner takes the producer build
                 (cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
   "rotation":   the caches' rotation kind (default "none"; the bench's caches use "blockdiag")
@@ -52,10 +57,17 @@ QUERY_HEADS, KV_HEADS, BLOCK_SIZE = 32, 8, 16
 def make_case(kv_dtype: str, sequences: int, context: int, new_tokens: int, head_size: int, rotation: str,
               rng) -> dict:
     pages = sequences * context // BLOCK_SIZE
-    info = kc.formats.kv_dtype_info(kv_dtype)
+    info = kc.formats.kv_dtype_info("auto" if kv_dtype == "auto_bf16" else kv_dtype)
     rows = (pages, BLOCK_SIZE, KV_HEADS, info.stored_head_size(head_size))
     rotation = kc.rotation_plan(head_size, rotation)
-    if kv_dtype == "auto":
+    query_shape = (sequences * new_tokens, QUERY_HEADS, head_size)
+    query = cupy.asarray(rng.standard_normal(query_shape).astype(np.float16))
+    if kv_dtype == "auto_bf16":   # CuPy has no bfloat16: torch's tensors, through DLPack
+        import torch
+        key = torch.as_tensor(rng.standard_normal(rows), device="cuda").to(torch.bfloat16)
+        cache = kc.wrap_cache(key, key.clone(), kv_dtype="auto", rotation=rotation)
+        query = torch.as_tensor(cupy.asnumpy(query).astype(np.float32), device="cuda").to(torch.bfloat16)
+    elif kv_dtype == "auto":
         key = cupy.asarray(rng.standard_normal(rows).astype(np.float16))
         cache = kc.wrap_cache(key, key.copy(), kv_dtype="auto", rotation=rotation)
     else:
@@ -66,8 +78,7 @@ def make_case(kv_dtype: str, sequences: int, context: int, new_tokens: int, head
     attended = sequences * (first + context) * new_tokens // 2
     return dict(cache=cache, sequences=sequences, context=context, new_tokens=new_tokens, pages=pages,
                 table=rng.permutation(pages).astype(np.int32).reshape(sequences, -1),
-                query=cupy.asarray(rng.standard_normal((sequences * new_tokens, QUERY_HEADS, head_size))
-                                   .astype(np.float16)),
+                query=query,
                 flops=4 * head_size * QUERY_HEADS * attended)
 
 
@@ -75,7 +86,8 @@ def time_case(case: dict) -> tuple[float, object]:
     batch = kc.plan_batch(block_table=case["table"], seq_lens=np.full(case["sequences"], case["context"], np.int32),
                           cu_seqlens_q=np.arange(case["sequences"] + 1, dtype=np.int32) * case["new_tokens"],
                           block_size=BLOCK_SIZE, num_blocks=case["pages"])
-    out = cupy.empty_like(case["query"])
+    query = case["query"]
+    out = cupy.empty_like(query) if isinstance(query, cupy.ndarray) else query.new_empty(query.shape)
 
     def call():
         kc.paged_attention(case["query"], case["cache"], batch=batch, out=out)
@@ -91,7 +103,8 @@ def with_variant(variant: dict, run):
              cuda_attention.PREFILL_WGMMA_WARPS, cuda_attention.PrefillKernel.defines,
              cuda_attention.PREFILL_WGMMA, os.environ.get(jit.SOURCE_DIR_ENV), cuda_attention.PREFILL_MIN_ROWS,
              cuda_attention.choose_prefill_splits, cuda_attention.PREFILL_SPLIT_GAIN,
-             cuda_attention.PREFILL_PRODUCER, cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
+             cuda_attention.PREFILL_PRODUCER, cuda_attention.PREFILL_PRODUCER_MIN_KEYS,
+             cuda_attention.PREFILL_DIRECT, cuda_attention.PREFILL_DIRECT_STAGES)
     plain_defines = saved[4].fget
     if "splits" in variant:
         cuda_attention.choose_prefill_splits = lambda *args: variant["splits"]
@@ -101,6 +114,8 @@ def with_variant(variant: dict, run):
     cuda_attention.PREFILL_MIN_BLOCKS = variant.get("min_blocks", cuda_attention.PREFILL_MIN_BLOCKS)
     cuda_attention.PREFILL_WGMMA = variant.get("wgmma", cuda_attention.PREFILL_WGMMA)
     cuda_attention.PREFILL_PRODUCER = variant.get("producer", cuda_attention.PREFILL_PRODUCER)
+    cuda_attention.PREFILL_DIRECT = variant.get("direct", cuda_attention.PREFILL_DIRECT)
+    cuda_attention.PREFILL_DIRECT_STAGES = variant.get("direct_stages", cuda_attention.PREFILL_DIRECT_STAGES)
     cuda_attention.PREFILL_PRODUCER_MIN_KEYS = variant.get("producer_min_keys",
                                                            cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
     if "warps" in variant:   # either build
@@ -115,7 +130,8 @@ def with_variant(variant: dict, run):
          cuda_attention.PREFILL_WGMMA_WARPS, cuda_attention.PrefillKernel.defines,
          cuda_attention.PREFILL_WGMMA, source, cuda_attention.PREFILL_MIN_ROWS,
          cuda_attention.choose_prefill_splits, cuda_attention.PREFILL_SPLIT_GAIN,
-         cuda_attention.PREFILL_PRODUCER, cuda_attention.PREFILL_PRODUCER_MIN_KEYS) = saved
+         cuda_attention.PREFILL_PRODUCER, cuda_attention.PREFILL_PRODUCER_MIN_KEYS,
+         cuda_attention.PREFILL_DIRECT, cuda_attention.PREFILL_DIRECT_STAGES) = saved
         if source is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
         else:

@@ -138,6 +138,21 @@ PREFILL_PRODUCER_MIN_KEYS = 2048
 # (their staging's offsets once a tile; tools/prefill_variants.py); bf16 on the
 # bench 163 -> 218 -> 250 (flash SDPA 336-348 in the same runs).
 PREFILL_WGMMA_AUTO = True
+# The producer build over bf16 caches copies their rows straight into the
+# products' layout (prefill.cuh, DIRECT), where the query is bf16 and not rotated
+# (PrefillKernel.for_query): bf16 operands, no decoding pass, no per-token
+# scales. H200, 4 x 8192 causal, d = 128 (tools/prefill_variants.py, bf16 rows
+# and query, alternating): 250.8 / 249.2 decoded -> 300.1 / 300.5 TFLOP/s
+# direct with three tiles in flight; 2048 over 30720 cached 267.7 / 267.4 ->
+# 324.2 / 317.2. fp16 rows gain
+# nothing (decoded 302.2 / 301.9, direct 302.0 / 293.4 with one tile in
+# flight): PREFILL_DIRECT_F16 off.
+PREFILL_DIRECT = True
+PREFILL_DIRECT_F16 = False
+# Tiles in flight beside the consumers' three buffers (as many as fit, at most
+# this). bf16, 4 x 8192 / chunked: 0 -> 276.8 / 289.0, 1 -> 310.8 / 328.5,
+# 2 -> 308.9 / 326.8, 3 -> 303.2 / 322.6 (one run).
+PREFILL_DIRECT_STAGES = 1
 
 
 @dataclass(frozen=True)
@@ -214,6 +229,7 @@ class PrefillKernel:
     warps: int = PREFILL_WARPS
     wgmma: bool = False   # warpgroup products (sm_90a only)
     producer: bool = False   # with wgmma: the last warpgroup stages and decodes, the others compute
+    direct: bool = False   # with the producer, 16-bit rows: copied into the products' layout, not decoded
 
     entry = "prefill_attention"
     kv_heads_per_block = 1
@@ -224,6 +240,19 @@ class PrefillKernel:
         `producer` asks for the wgmma build's producer warpgroup."""
         producer = wgmma and producer
         return cls(kv, head_pad, PREFILL_TILE, chunk, PREFILL_WGMMA_WARPS if wgmma else PREFILL_WARPS, wgmma, producer)
+
+    def for_query(self, query_dtype, rotation) -> "PrefillKernel":
+        """The build a call takes: the direct one (PREFILL_DIRECT) for bf16 rows in the
+        producer build under a bf16 query without rotation (bf16 operands hold
+        such a query exactly, as fp16 ones hold an fp16 query), and for fp16 rows
+        with PREFILL_DIRECT_F16."""
+        rows = (KV_F16, KV_BF16) if PREFILL_DIRECT_F16 else (KV_BF16,)
+        if not (PREFILL_DIRECT and self.producer and self.kv in rows and self.chunk >= 4):
+            return self
+        if self.kv == KV_BF16 and (np.dtype(query_dtype) != formats.MODEL_DTYPES["bfloat16"]
+                                   or (rotation is not None and not rotation.is_identity)):
+            return self
+        return replace(self, direct=True)
 
     @property
     def quantized(self) -> bool:
@@ -236,6 +265,11 @@ class PrefillKernel:
 
     @property
     def stages(self) -> int:
+        """Raw stages; direct builds: tiles in flight beside the consumers' three
+        buffers, as many as fit (PREFILL_DIRECT_STAGES at most)."""
+        if self.direct:
+            fitting = [s for s in range(PREFILL_DIRECT_STAGES + 1) if self._shared_bytes(s) <= SHARED_BYTES_PER_SM]
+            return max(fitting, default=0)
         return PREFILL_STAGES if self.quantized else PREFILL_AUTO_STAGES
 
     @property
@@ -267,11 +301,16 @@ class PrefillKernel:
                    "KVC_MIN_BLOCKS": self.blocks_per_sm}
         if self.producer:
             defines["KVC_PRODUCER"] = 1
+        if self.direct:
+            defines["KVC_DIRECT"] = 1
         return {**defines, "KVC_WGMMA": 1} if self.wgmma else defines
 
     @property
     def shared_bytes(self) -> int:
         """prefill.cuh's Prefill::kSharedBytes (the same arithmetic)."""
+        return self._shared_bytes(self.stages)
+
+    def _shared_bytes(self, stages: int) -> int:
         bits = 4 if self.kv == KV_INT4 else 8 if self.quantized else 16
         decoded_stride = 2 * self.head_pad + 16
         row = 2 * self.head_pad if self.wgmma else decoded_stride   # wgmma: unpadded core matrices
@@ -279,13 +318,14 @@ class PrefillKernel:
         # quantized rows: an odd number of 16-byte units apart (decoding reads them bank-conflict free)
         raw_stride = (row_bytes + 16 * (row_bytes % 32 == 0)) if self.quantized else decoded_stride
         scales = 4 * self.tile if self.quantized else 0
-        stage = 2 * self.tile * raw_stride + 2 * scales
-        buffers = 3 if self.wgmma else 2
-        decoded = buffers * (2 * self.tile * row + 2 * 4 * self.tile) if self.decoded else 0
+        stage = 0 if self.direct else 2 * self.tile * raw_stride + 2 * scales
+        buffers = stages + 3 if self.direct else 3 if self.wgmma else 2
+        buffer = 2 * self.tile * row + (0 if self.direct else 2 * 4 * self.tile)   # rows, then K and V scales
+        decoded = buffers * buffer if self.decoded else 0
         queries = self.consumer_warps * (1 if self.wgmma else 2) * 16 * row   # query terms: wgmma takes one
         barriers = 2 * 8 * buffers if self.producer else 0   # full and empty, a decoded buffer each
         barriers += 16 if self.wgmma else 0   # the bulk rows' barrier (and padding)
-        return self.stages * stage + decoded + queries + barriers
+        return stages * stage + decoded + queries + barriers
 
 
 def kv_code(cache) -> int:
@@ -564,15 +604,17 @@ class Plan:
                 self.rotations[key] = tuple(_upload(f, device) for f in rotation_fragments(rotation, head_pad, kv))
         return self.rotations[key]
 
-    def function(self, name: str, defines: dict):
+    def function(self, name: str, defines: dict, kernel=None):
         """A compiled kernel of attention.cu, looked up once per plan (the per-layer
-        call then does no compile-cache work)."""
+        call then does no compile-cache work); `kernel`: the attention build the
+        call takes (the plan's, or its for_query variant), for its entry."""
+        kernel = kernel or self.kernel
         key = (name, tuple(sorted(defines.items())))
         if key not in self.functions:
-            arch = self.kernel.arch if name == self.kernel.entry else None
+            arch = kernel.arch if name == kernel.entry else None
             function = jit.get_function("attention", name, defines, arch)
-            if name == self.kernel.entry:
-                function.max_dynamic_shared_size_bytes = self.kernel.shared_bytes
+            if name == kernel.entry:
+                function.max_dynamic_shared_size_bytes = kernel.shared_bytes
             self.functions[key] = function
         return self.functions[key]
 
@@ -807,6 +849,8 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
     arrays = batch.arrays(cuda, device)
     kernel = plan.kernel
     prefill = isinstance(kernel, PrefillKernel)
+    if prefill:
+        kernel = kernel.for_query(query.dtype, rotation)
     in_kernel = _in_kernel_rotation(rotation)
     with cupy.cuda.Device(device.index):
         sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
@@ -828,7 +872,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         part_out = None if direct else _buffer(plan, "part_out", (plan.num_splits,) + rows, device)
         part_stats = None if direct else _buffer(plan, "part_stats", (plan.num_splits, num_tokens, num_heads, 2),
                                                  device)
-        attention = plan.function(kernel.entry, kernel.defines)
+        attention = plan.function(kernel.entry, kernel.defines, kernel)
         has_scales = cache.k_scale_cache is not None
         code_unit = 256.0 if kernel.kv == KV_FP8 else 1.0
         table = arrays["block_table"]
@@ -897,6 +941,8 @@ def specialisations(all: bool) -> list:
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, False))
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, True))
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, True, producer=True))
+                    if kv in (KV_F16, KV_BF16):
+                        kernels.append(replace(kernels[-1], direct=True))
     else:
         int4_rows = Kernel(KV_INT4, 128, 8, 1, DECODE_ROUND_TILE, 16, STAGE_ROWS)
         kernels = [int4_rows, _long_tile(int4_rows),
@@ -915,6 +961,9 @@ def specialisations(all: bool) -> list:
                    PrefillKernel.planned(KV_INT8, 96, 4, True, producer=True),
                    PrefillKernel.planned(KV_BF16, 128, 16, True, producer=True),
                    PrefillKernel.planned(KV_F16, 64, 8, True), PrefillKernel.planned(KV_BF16, 96, 16, True)]
+        # The direct builds: a stager's own piece (d = 128, 16-byte pieces; d = 64, 8-byte), the general loop (d = 96).
+        kernels += [replace(PrefillKernel.planned(kv, head_pad, chunk, True, producer=True), direct=True)
+                    for kv, head_pad, chunk in ((KV_BF16, 128, 16), (KV_F16, 96, 16), (KV_F16, 64, 8))]
     found += [Specialisation("attention", (kernel.entry,), kernel.defines, kernel.arch)
               for kernel in kernels]
     # The wgmma operand-layout probes of tests/test_gpu_wgmma.py.
