@@ -30,13 +30,15 @@ averages further: measured 3-5e-4 relative on these tests' cases (two terms:
 2-3e-4), inside the same bound. Its auto caches enter the products as fp16
 rows: fp16 ones as they are, a bf16 row times a power of two of its own
 (exact for every value down to 2^-30 of the row's largest, smaller ones off by
-under 2^-38 of it), so the same arithmetic holds, with P times 2^10. The producer build copies
-fp16 rows as they are (the same arithmetic) and takes bf16 rows as bf16
-operands under a bf16 query that is not rotated: the query and every row then
-enter exactly, and P rounds to bf16 (2^-9 relative each; independent roundings
-average to about 2^-9 / sqrt(3) ~ 1.1e-3 of the output at most where one token
-dominates, less over many), under the same bound; such outputs are bf16, whose
-own rounding (2^-9) the bound adds.
+under 2^-38 of it), so the same arithmetic holds, with P times 2^10. The
+producer build's direct rows: fp16 ones (PREFILL_DIRECT_F16) enter as they
+are (the same arithmetic); bf16 ones enter as bf16 operands under a bf16 query
+that is not rotated, so the query and every row enter exactly and only P
+rounds, to bf16: each probability off by at most 2^-9 relative (about
+2^-9 / sqrt(3) ~ 1.1e-3 RMS), and the output by the probability-weighted mean
+of those errors times the values, which averages over the tokens that carry
+weight: inside the same bound. Those outputs are bf16, whose own rounding
+(2^-9) the bound adds.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def kernel_constant(text: str, kernel: Kernel | PrefillKernel) -> int:
     """kSharedBytes of the kernel's own template instance (Itanium-mangled in the PTX)."""
     if isinstance(kernel, PrefillKernel):
         arguments = (kernel.kv, kernel.head_pad, kernel.warps, kernel.tile, kernel.stages, kernel.chunk)
-        name = "7PrefillI" + "".join(f"Li{a}E" for a in arguments) + f"Lb{int(kernel.wgmma)}ELb{int(kernel.producer)}ELb{int(kernel.direct)}E"
+        flags = (kernel.wgmma, kernel.producer, kernel.direct)
+        name = "7PrefillI" + "".join(f"Li{a}E" for a in arguments) + "".join(f"Lb{int(f)}E" for f in flags)
     else:
         arguments = (kernel.kv, kernel.head_pad, kernel.heads, kernel.quads, kernel.tile, kernel.stages,
                      kernel.chunk)

@@ -144,9 +144,8 @@ PREFILL_WGMMA_AUTO = True
 # scales. H200, 4 x 8192 causal, d = 128 (tools/prefill_variants.py, bf16 rows
 # and query, alternating): 250.8 / 249.2 decoded -> 300.1 / 300.5 TFLOP/s
 # direct with three tiles in flight; 2048 over 30720 cached 267.7 / 267.4 ->
-# 324.2 / 317.2. fp16 rows gain
-# nothing (decoded 302.2 / 301.9, direct 302.0 / 293.4 with one tile in
-# flight): PREFILL_DIRECT_F16 off.
+# 324.2 / 317.2. fp16 rows gain nothing (decoded 302.2 / 301.9, direct 302.0 /
+# 293.4 with one tile in flight): PREFILL_DIRECT_F16 off.
 PREFILL_DIRECT = True
 PREFILL_DIRECT_F16 = False
 # Tiles in flight beside the consumers' three buffers (as many as fit, at most
