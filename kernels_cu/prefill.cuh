@@ -80,6 +80,9 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 #define KVC_FP8_CONVERT 0
 #endif
 
+#ifndef KVC_DIRECT_SIDE_BY_SIDE
+#define KVC_DIRECT_SIDE_BY_SIDE 8   // Prefill::stage_direct (1: a row's pieces on consecutive lanes)
+#endif
 #ifndef KVC_PRODUCER_REGS
 #define KVC_PRODUCER_REGS 56   // the fewest that spill nothing (producer's loop; 40 spilled 16-120 bytes)
 #endif
@@ -269,10 +272,12 @@ struct Prefill {
   }
 
   // DIRECT staging of a tile's rows into `buffer`: work item c is piece
-  // (c / 8) % PIECES of token 8 (c / (8 PIECES)) + c % 8, so that 8 lanes
-  // side by side write the same piece of 8 consecutive tokens: one core
-  // matrix's 128 contiguous bytes (a token's pieces lie 128 bytes apart: a
-  // warp taking them in a row would hit one bank group). Where the stagers
+  // (c / S) % PIECES of token S (c / (S PIECES)) + c % S, S =
+  // KVC_DIRECT_SIDE_BY_SIDE tokens: S = 8 puts 8 lanes on the same piece of 8
+  // consecutive tokens, one core matrix's 128 contiguous bytes (no bank
+  // conflict), but a warp's copies then touch 8 rows in global memory; S = 1
+  // puts a row's pieces on consecutive lanes (a warp reads 2 rows whole at d =
+  // 128), their shared-memory writes 128 bytes apart. Where the stagers
   // divide the work into whole columns of pieces, each stager keeps its piece
   // and its offsets, and a token costs a block id and two addresses.
   template <int PIECES>
@@ -282,9 +287,11 @@ struct Prefill {
     u8* const keys = buffer;
     u8* const values = buffer + kDecodedTensorBytes;
     constexpr int kWork = TILE * PIECES;
-    if constexpr (kStagers % (8 * PIECES) == 0) {
+    constexpr int S = KVC_DIRECT_SIDE_BY_SIDE;
+    if constexpr (kStagers % (S * PIECES) == 0 && (kStagers / PIECES) % 8 == 0) {
       constexpr int kTokenStep = kStagers / PIECES;   // a multiple of 8
-      const int piece = (stager >> 3) % PIECES, first = (stager & 7) + 8 * (stager / (8 * PIECES));
+      const unsigned item = stager;   // unsigned: / and % by powers of two are shifts and masks
+      const int piece = item / S % PIECES, first = item % S + S * (item / (S * PIECES));
       const int offset = piece * CHUNK;
       const bool in_row = offset < p.row_bytes;
       const long long key_part = head * p.k_head_stride + offset, value_part = head * p.v_head_stride + offset;
@@ -307,8 +314,8 @@ struct Prefill {
     } else {
 #pragma unroll 1
       for (int c0 = 0; c0 < kWork; c0 += kStagers) {
-        const int c = c0 + stager;
-        const int token = 8 * (c / (8 * PIECES)) + (c & 7), piece = (c >> 3) % PIECES;
+        const unsigned c = c0 + stager;
+        const int token = S * (c / (S * PIECES)) + c % S, piece = c / S % PIECES;
         const int position = base + token;
         const int block = Pages::block_of(window, position >> block_shift);   // every lane shuffles
         if (c >= kWork) continue;
