@@ -80,8 +80,8 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 #define KVC_FP8_CONVERT 0
 #endif
 
-#ifndef KVC_DIRECT_SIDE_BY_SIDE
-#define KVC_DIRECT_SIDE_BY_SIDE 8   // Prefill::stage_direct (1: a row's pieces on consecutive lanes)
+#ifndef KVC_SWIZZLE
+#define KVC_SWIZZLE 0   // Prefill::kSwizzled (the launcher's PrefillKernel.swizzled)
 #endif
 #ifndef KVC_PRODUCER_REGS
 #define KVC_PRODUCER_REGS 56   // the fewest that spill nothing (producer's loop; 40 spilled 16-120 bytes)
@@ -118,6 +118,13 @@ struct Prefill {
   // not rotated (so the query enters exactly, as an fp16 query does fp16
   // rows), and P rounds to bf16 (2^-9 relative, FlashAttention's arithmetic).
   static constexpr bool kUnitScales = DIRECT;
+  // DIRECT tiles whose rows are whole 128-byte columns take the 128-byte
+  // swizzled layout (kvc_wgmma::swizzled_offset): a warp then copies whole rows
+  // without bank conflicts. The others keep the core matrices side by side
+  // (kvc_wgmma::core_offset). The decoding pass could write either (its
+  // stores go through decoded_at), but swizzled it measured no gain and its
+  // per-store addresses cost the producer registers (README, Prefill).
+  static constexpr bool kSwizzled = DIRECT && KVC_SWIZZLE && HEAD_PAD % 64 == 0;
   // bf16 operands: the mma.sync build over bf16 rows read in place, whose P
   // then enters as a two-term split (kSplitP), and DIRECT bf16 rows. Every
   // other build's operands are fp16.
@@ -152,7 +159,11 @@ struct Prefill {
   // with wgmma (and the one before still read by output products in flight).
   // DIRECT: STAGES + 3, the tiles in flight besides those three.
   static constexpr int kDecodedBuffers = DIRECT ? STAGES + 3 : WGMMA ? 3 : 2;
-  static constexpr int kDecodedBufferBytes = 2 * kDecodedTensorBytes + (kUnitScales ? 0 : 2 * TILE * 4);
+  // Swizzled tiles start on 1024-byte boundaries (their pattern is the address's).
+  static constexpr int kTileAlign = kSwizzled ? 1024 : 1;
+  __host__ __device__ static constexpr int round_up(int bytes) { return (bytes + kTileAlign - 1) / kTileAlign * kTileAlign; }
+  static constexpr int kDecodedOffset = round_up(STAGES * kStageBytes);   // the decoded buffers, after the stages
+  static constexpr int kDecodedBufferBytes = round_up(2 * kDecodedTensorBytes + (kUnitScales ? 0 : 2 * TILE * 4));
   static constexpr int kDecodedBytes = kDecoded ? kDecodedBuffers * kDecodedBufferBytes : 0;
   // Query rows of a warp, high or low halves: 16 rows as decoded ones. With
   // wgmma, a warpgroup's 64 rows, one fp16 term (kQueryTerms: see run()).
@@ -160,7 +171,7 @@ struct Prefill {
   static constexpr int kQueryBytes = 16 * (WGMMA ? 2 * HEAD_PAD : kDecodedStride);
   static constexpr int kWarpgroupQueryBytes = 4 * kQueryBytes;
   static constexpr int kBarrierOffset =
-      STAGES * kStageBytes + kDecodedBytes + kConsumerWarps * kQueryTerms * kQueryBytes;
+      kDecodedOffset + kDecodedBytes + kConsumerWarps * kQueryTerms * kQueryBytes;
   // PRODUCER: full, then empty; then (wgmma builds) the bulk rows' barrier (see bulk_rows).
   static constexpr int kQueryBarrierOffset = kBarrierOffset + (PRODUCER ? 2 * 8 * kDecodedBuffers : 0);
   static constexpr int kBarrierBytes = kQueryBarrierOffset - kBarrierOffset + (WGMMA ? 16 : 0);
@@ -208,7 +219,7 @@ struct Prefill {
     constexpr int kPieceBytes = CHUNK == 1 ? 4 : CHUNK;
     constexpr int kPieces = kRowBytes / kPieceBytes;
     if constexpr (DIRECT) {
-      stage_direct<kPieces>(p, smem + STAGES * kStageBytes + stage * kDecodedBufferBytes, head, base, lo, hi,
+      stage_direct<kPieces>(p, smem + kDecodedOffset + stage * kDecodedBufferBytes, head, base, lo, hi,
                             block_shift, window, stager);
       return;
     }
@@ -272,14 +283,17 @@ struct Prefill {
   }
 
   // DIRECT staging of a tile's rows into `buffer`: work item c is piece
-  // (c / S) % PIECES of token S (c / (S PIECES)) + c % S, S =
-  // KVC_DIRECT_SIDE_BY_SIDE tokens: S = 8 puts 8 lanes on the same piece of 8
-  // consecutive tokens, one core matrix's 128 contiguous bytes (no bank
-  // conflict), but a warp's copies then touch 8 rows in global memory; S = 1
-  // puts a row's pieces on consecutive lanes (a warp reads 2 rows whole at d =
-  // 128), their shared-memory writes 128 bytes apart. Where the stagers
-  // divide the work into whole columns of pieces, each stager keeps its piece
-  // and its offsets, and a token costs a block id and two addresses.
+  // (c / S) % PIECES of token S (c / (S PIECES)) + c % S. Swizzled tiles take
+  // S = 1: a row's pieces on consecutive lanes, so that a warp reads whole rows
+  // (2 at d = 128) and 8 lanes write one row's 8 pieces of a column, in 8
+  // distinct bank groups. The core matrices take S = 8: 8 lanes on the same
+  // piece of 8 consecutive tokens, one core matrix's 128 contiguous bytes (a
+  // row's pieces there lie 128 bytes apart, in one bank group), a warp's
+  // copies then touching 8 rows. (bf16 rows, d = 128, H200: 307 TFLOP/s with
+  // the core matrices at S = 8, 299 at S = 1; 373-379 swizzled, at S = 1 or 2.)
+  // Where the stagers divide the work into whole columns of pieces, each
+  // stager keeps its piece and its offsets, and a token costs a block id and
+  // two addresses.
   template <int PIECES>
   static __device__ __forceinline__ void stage_direct(const Params& p, u8* buffer, int head, int base, int lo, int hi,
                                                       int block_shift, const typename Pages::PageWindow& window,
@@ -287,7 +301,7 @@ struct Prefill {
     u8* const keys = buffer;
     u8* const values = buffer + kDecodedTensorBytes;
     constexpr int kWork = TILE * PIECES;
-    constexpr int S = KVC_DIRECT_SIDE_BY_SIDE;
+    constexpr int S = kSwizzled ? 1 : 8;
     if constexpr (kStagers % (S * PIECES) == 0 && (kStagers / PIECES) % 8 == 0) {
       constexpr int kTokenStep = kStagers / PIECES;   // a multiple of 8
       const unsigned item = stager;   // unsigned: / and % by powers of two are shifts and masks
@@ -295,7 +309,9 @@ struct Prefill {
       const int offset = piece * CHUNK;
       const bool in_row = offset < p.row_bytes;
       const long long key_part = head * p.k_head_stride + offset, value_part = head * p.v_head_stride + offset;
-      const int target = kvc_wgmma::core_offset(first, offset / 2, HEAD_PAD);
+      const int target = tile_offset(first, offset / 2);
+      // Tokens kTokenStep apart (a multiple of 8: the same swizzle) lie this far apart.
+      constexpr int kStepBytes = kTokenStep * (kSwizzled ? 128 : 2 * HEAD_PAD);
 #pragma unroll
       for (int i = 0; i < (TILE + kTokenStep - 1) / kTokenStep; ++i) {
         const int token = first + i * kTokenStep;
@@ -307,7 +323,7 @@ struct Prefill {
         const int bytes = valid && in_row ? CHUNK : 0;
         const u8* key_src = p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + key_part;
         const u8* value_src = p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + value_part;
-        const int at = target + i * (kTokenStep / 8) * HEAD_PAD * 16;   // core_offset(token, offset / 2)
+        const int at = target + i * kStepBytes;   // tile_offset(token, offset / 2)
         cp_async(keys + at, bytes ? key_src : p.key_cache, bytes, CHUNK);
         cp_async(values + at, bytes ? value_src : p.value_cache, bytes, CHUNK);
       }
@@ -322,7 +338,7 @@ struct Prefill {
         const bool valid = block >= 0 && position >= lo && position < hi;
         const long long slot = position & (p.block_size - 1);
         const int offset = piece * CHUNK;
-        const int at = kvc_wgmma::core_offset(token, offset / 2, HEAD_PAD);
+        const int at = tile_offset(token, offset / 2);
         stage_row_piece<CHUNK>(p, keys + at, values + at, block, slot, head, offset, valid);
       }
     }
@@ -337,9 +353,14 @@ struct Prefill {
            static_cast<long long>(kv_head * p.group + row % p.group) * head_stride;
   }
 
+  // Byte offset of dim `dim` of token `token` in a wgmma build's decoded K or V rows.
+  static __device__ __forceinline__ int tile_offset(int token, int dim) {
+    return kSwizzled ? kvc_wgmma::swizzled_offset(token, dim, TILE) : kvc_wgmma::core_offset(token, dim, HEAD_PAD);
+  }
+
   // Where logical dim `dim` of decoded row `row` (K rows, then V rows) lies.
   static __device__ __forceinline__ u8* decoded_at(u8* decoded, int row, int dim) {
-    if constexpr (WGMMA) return decoded + kvc_wgmma::core_offset(row, dim, HEAD_PAD);
+    if constexpr (WGMMA) return decoded + row / TILE * kDecodedTensorBytes + tile_offset(row % TILE, dim);
     return decoded + row * kDecodedStride + 2 * dim;
   }
 
@@ -1029,7 +1050,7 @@ struct Prefill {
                                                  int block_shift, const int* table, int num_tiles,
                                                  typename Pages::PageWindow& window, u8* full, u8* empty,
                                                  int stager) {
-    u8* const decoded = smem + STAGES * kStageBytes;
+    u8* const decoded = smem + kDecodedOffset;
     if constexpr (DIRECT) {
       produce_direct(p, smem, kv_head, key_lo, key_hi, block_shift, table, num_tiles, window, full, empty, stager);
       return;
@@ -1093,7 +1114,10 @@ struct Prefill {
   }
 
   static __device__ void run(const Params& p, int block_shift) {
-    extern __shared__ __align__(16) u8 smem[];
+    extern __shared__ __align__(1024) u8 smem[];
+    if constexpr (kSwizzled) {   // the swizzled layout's premise: its address bits 7-9 are the row's
+      if (static_cast<u32>(__cvta_generic_to_shared(smem)) % 1024 != 0) __trap();
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int seq = p.tiles[2 * blockIdx.y], row_tile = p.tiles[2 * blockIdx.y + 1];
@@ -1157,7 +1181,7 @@ struct Prefill {
     u8* const full = smem + kBarrierOffset;
     u8* const empty = full + 8 * kDecodedBuffers;
     u8* const query_barrier = smem + kQueryBarrierOffset;
-    u8* const decoded = smem + STAGES * kStageBytes;
+    u8* const decoded = smem + kDecodedOffset;
     u8* const query_area = decoded + kDecodedBytes;
     // Bulk rows (see bulk_rows): the block's query rows, the rotation's
     // fragments (to `query_area`, as stage_fragments would; in 16-dim groups
@@ -1378,12 +1402,16 @@ struct Prefill {
       if constexpr (WGMMA) {
         kvc_wgmma::hold(score);
         kvc_wgmma::fence();
-        // k step kc: dims 16 kc.., 256 bytes on (a descriptor counts 16-byte units).
-        const kvc_wgmma::u64 key_operand = kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
+        // k step kc: dims 16 kc.., 256 bytes on (a descriptor counts 16-byte
+        // units); swizzled, 32 bytes within a 64-dim column (swizzled_offset).
+        const kvc_wgmma::u64 key_operand = kSwizzled ? kvc_wgmma::descriptor<true>(keys, 16, 1024)
+                                                     : kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
         if constexpr (PRODUCER) {   // the query from registers
 #pragma unroll
           for (int kc = 0; kc < KC; ++kc)
-            kvc_wgmma::Products<TILE, kBf16>::rs_k(score, query_fragments[kc], key_operand + 16 * kc);
+            kvc_wgmma::Products<TILE, kBf16>::rs_k(
+                score, query_fragments[kc],
+                key_operand + (kSwizzled ? ((kc >> 2) * TILE * 128 + (kc & 3) * 32) / 16 : 16 * kc));
         } else {   // the query rows from shared memory
           const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
 #pragma unroll
@@ -1400,11 +1428,14 @@ struct Prefill {
         kvc_wgmma::hold(out);
         kvc_wgmma::fence();
         // B = V rows 16 j.. (K, tokens) x dims (N): core matrices 128 bytes apart along the dims.
-        const kvc_wgmma::u64 value_operand = kvc_wgmma::descriptor(values, 16 * HEAD_PAD, 128);
+        // Swizzled: 64-dim columns TILE x 128 bytes apart, 8-token groups 1024.
+        const kvc_wgmma::u64 value_operand = kSwizzled ? kvc_wgmma::descriptor<true>(values, TILE * 128, 1024)
+                                                       : kvc_wgmma::descriptor(values, 16 * HEAD_PAD, 128);
 #pragma unroll
         for (int j = 0; j < TILE / 16; ++j) {
           const u32 a_high[4] = {p_high[2 * j][0], p_high[2 * j][1], p_high[2 * j + 1][0], p_high[2 * j + 1][1]};
-          kvc_wgmma::Products<HEAD_PAD, kBf16>::rs_mn(out, a_high, value_operand + 2 * j * HEAD_PAD);   // 32 j HEAD_PAD bytes
+          kvc_wgmma::Products<HEAD_PAD, kBf16>::rs_mn(   // 32 j HEAD_PAD bytes on; swizzled, 2048 j
+              out, a_high, value_operand + (kSwizzled ? 128 * j : 2 * j * HEAD_PAD));
         }
       }
     };

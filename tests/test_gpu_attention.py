@@ -317,7 +317,7 @@ def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, mon
 
 @pytest.mark.parametrize("options", [dict(), dict(sliding_window=700), dict(softcap=5.0), dict(sinks=True)],
                          ids=["plain", "window", "softcap", "sinks"])
-@pytest.mark.parametrize("head_size", (128, 80))
+@pytest.mark.parametrize("head_size", (128, 80, 64))
 @pytest.mark.parametrize("model_dtype,query_dtype,rotation,direct", [
     ("bfloat16", "bfloat16", "none", True), ("bfloat16", "bfloat16", "blockdiag", False),
     ("bfloat16", np.float32, "none", False), (np.float16, "bfloat16", "blockdiag", True),

@@ -15,6 +15,9 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
   "direct":     false: 16-bit rows decoded in the producer build, not copied into
                 the products' layout (cuda_attention.PREFILL_DIRECT)
   "direct_stages": the direct builds' tiles in flight at most (cuda_attention.PREFILL_DIRECT_STAGES)
+  "direct_f16": fp16 rows copied into the products' layout too (cuda_attention.PREFILL_DIRECT_F16)
+  "swizzle":    false: direct tiles in the core matrices, not the 128-byte swizzled
+                layout (cuda_attention.PREFILL_SWIZZLE)
   "producer_min_keys": keys a sequence from which the planner takes the producer build
                 (cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
   "rotation":   the caches' rotation kind (default "none"; the bench's caches use "blockdiag")
@@ -104,7 +107,8 @@ def with_variant(variant: dict, run):
              cuda_attention.PREFILL_WGMMA, os.environ.get(jit.SOURCE_DIR_ENV), cuda_attention.PREFILL_MIN_ROWS,
              cuda_attention.choose_prefill_splits, cuda_attention.PREFILL_SPLIT_GAIN,
              cuda_attention.PREFILL_PRODUCER, cuda_attention.PREFILL_PRODUCER_MIN_KEYS,
-             cuda_attention.PREFILL_DIRECT, cuda_attention.PREFILL_DIRECT_STAGES)
+             cuda_attention.PREFILL_DIRECT, cuda_attention.PREFILL_DIRECT_STAGES,
+             cuda_attention.PREFILL_DIRECT_F16, cuda_attention.PREFILL_SWIZZLE)
     plain_defines = saved[4].fget
     if "splits" in variant:
         cuda_attention.choose_prefill_splits = lambda *args: variant["splits"]
@@ -116,6 +120,8 @@ def with_variant(variant: dict, run):
     cuda_attention.PREFILL_PRODUCER = variant.get("producer", cuda_attention.PREFILL_PRODUCER)
     cuda_attention.PREFILL_DIRECT = variant.get("direct", cuda_attention.PREFILL_DIRECT)
     cuda_attention.PREFILL_DIRECT_STAGES = variant.get("direct_stages", cuda_attention.PREFILL_DIRECT_STAGES)
+    cuda_attention.PREFILL_DIRECT_F16 = variant.get("direct_f16", cuda_attention.PREFILL_DIRECT_F16)
+    cuda_attention.PREFILL_SWIZZLE = variant.get("swizzle", cuda_attention.PREFILL_SWIZZLE)
     cuda_attention.PREFILL_PRODUCER_MIN_KEYS = variant.get("producer_min_keys",
                                                            cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
     if "warps" in variant:   # either build
@@ -131,7 +137,8 @@ def with_variant(variant: dict, run):
          cuda_attention.PREFILL_WGMMA, source, cuda_attention.PREFILL_MIN_ROWS,
          cuda_attention.choose_prefill_splits, cuda_attention.PREFILL_SPLIT_GAIN,
          cuda_attention.PREFILL_PRODUCER, cuda_attention.PREFILL_PRODUCER_MIN_KEYS,
-         cuda_attention.PREFILL_DIRECT, cuda_attention.PREFILL_DIRECT_STAGES) = saved
+         cuda_attention.PREFILL_DIRECT, cuda_attention.PREFILL_DIRECT_STAGES,
+         cuda_attention.PREFILL_DIRECT_F16, cuda_attention.PREFILL_SWIZZLE) = saved
         if source is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
         else:

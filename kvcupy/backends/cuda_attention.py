@@ -152,6 +152,16 @@ PREFILL_DIRECT_F16 = False
 # this). bf16, 4 x 8192 / chunked: 0 -> 276.8 / 289.0, 1 -> 310.8 / 328.5,
 # 2 -> 308.9 / 326.8, 3 -> 303.2 / 322.6 (one run).
 PREFILL_DIRECT_STAGES = 1
+# Direct tiles in the 128-byte swizzled layout where a row is whole 128-byte
+# columns (head_pad 64 or 128; prefill.cuh, kSwizzled), the copies then taking
+# whole rows. H200, bf16 rows and query, d = 128 (tools/prefill_variants.py,
+# alternating, two rounds): 4 x 8192 307.2 / 307.8 -> 377.2 / 373.3 TFLOP/s;
+# 2048 over 30720 cached 331.4 / 330.7 -> 419.3 / 412.4. ncu, 4 x 8192: L2
+# throughput 88.9% -> 29.0%, 7.18 -> 5.82 ms. The decoding pass's tiles
+# swizzled (quantized caches, fp16 rows decoded) measured no gain: int4 342.5
+# -> 324.7-333.5, int8 307.8 -> 277-308, fp8 312.9 -> 285-313 by producer
+# registers and batch (docs/gpu-notes.md).
+PREFILL_SWIZZLE = True
 
 
 @dataclass(frozen=True)
@@ -302,7 +312,14 @@ class PrefillKernel:
             defines["KVC_PRODUCER"] = 1
         if self.direct:
             defines["KVC_DIRECT"] = 1
+        if self.swizzled:
+            defines["KVC_SWIZZLE"] = 1
         return {**defines, "KVC_WGMMA": 1} if self.wgmma else defines
+
+    @property
+    def swizzled(self) -> bool:
+        """Whether the decoded tiles take the 128-byte swizzled layout (prefill.cuh's kSwizzled)."""
+        return PREFILL_SWIZZLE and self.direct and self.head_pad % 64 == 0
 
     @property
     def shared_bytes(self) -> int:
@@ -318,13 +335,18 @@ class PrefillKernel:
         raw_stride = (row_bytes + 16 * (row_bytes % 32 == 0)) if self.quantized else decoded_stride
         scales = 4 * self.tile if self.quantized else 0
         stage = 0 if self.direct else 2 * self.tile * raw_stride + 2 * scales
+        align = 1024 if self.swizzled else 1   # swizzled tiles start on 1024-byte boundaries
+
+        def aligned(size: int) -> int:
+            return -(-size // align) * align
+
         buffers = stages + 3 if self.direct else 3 if self.wgmma else 2
-        buffer = 2 * self.tile * row + (0 if self.direct else 2 * 4 * self.tile)   # rows, then K and V scales
+        buffer = aligned(2 * self.tile * row + (0 if self.direct else 2 * 4 * self.tile))   # rows, then K and V scales
         decoded = buffers * buffer if self.decoded else 0
         queries = self.consumer_warps * (1 if self.wgmma else 2) * 16 * row   # query terms: wgmma takes one
         barriers = 2 * 8 * buffers if self.producer else 0   # full and empty, a decoded buffer each
         barriers += 16 if self.wgmma else 0   # the bulk rows' barrier (and padding)
-        return stages * stage + decoded + queries + barriers
+        return aligned(stages * stage) + decoded + queries + barriers
 
 
 def kv_code(cache) -> int:
