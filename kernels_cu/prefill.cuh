@@ -208,6 +208,34 @@ struct Prefill {
   }
   static __device__ __forceinline__ float2 unpack(u32 x) { return kBf16 ? unpack_bf162(x) : unpack_half2(x); }
 
+  // One stager's share of a tile where every token it copies takes the same
+  // piece (byte `offset` of the row): tokens first, first + STEP, .. of the
+  // tile, token first + i STEP's piece to at(keys, i, token) and at(values,
+  // i, token). The piece's offsets are worked out once; a token costs a block
+  // id and two addresses. Tokens outside [lo, hi), ids outside the cache and
+  // pieces past the row are zero-filled.
+  template <int STEP, class At>
+  static __device__ __forceinline__ void copy_fixed_piece(const Params& p, u8* keys, u8* values, int first, int offset,
+                                                          At at, int head, int base, int lo, int hi, int block_shift,
+                                                          const typename Pages::PageWindow& window) {
+    const bool in_row = offset < p.row_bytes;
+    const long long key_part = head * p.k_head_stride + offset, value_part = head * p.v_head_stride + offset;
+#pragma unroll
+    for (int i = 0; i < (TILE + STEP - 1) / STEP; ++i) {
+      const int token = first + i * STEP;
+      const int position = base + token;
+      const int block = Pages::block_of(window, position >> block_shift);   // every lane shuffles
+      if (TILE % STEP != 0 && token >= TILE) continue;
+      const bool valid = block >= 0 && position >= lo && position < hi;
+      const long long slot = position & (p.block_size - 1);
+      const int bytes = valid && in_row ? CHUNK : 0;
+      const u8* key_src = p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + key_part;
+      const u8* value_src = p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + value_part;
+      cp_async(at(keys, i, token), bytes ? key_src : p.key_cache, bytes, CHUNK);
+      cp_async(at(values, i, token), bytes ? value_src : p.value_cache, bytes, CHUNK);
+    }
+  }
+
   // Stage `stage` <- raw K / V rows (and scale words) of tokens base .. base + TILE - 1
   // in [lo, hi) of KV head `head`; other tokens, and ids outside the cache, zero-filled.
   // DIRECT: decoded buffer `stage` <- the rows as its core matrices.
@@ -224,9 +252,8 @@ struct Prefill {
       return;
     }
     if constexpr (CHUNK > 1 && kStagers % kPieces == 0 && !kQuantized) {
-      // 16-bit rows: every token a stager copies takes the same piece, so the
-      // piece's offsets are worked out once and each token costs a block id and
-      // two addresses (the loop below works all of that out for every piece). Measured
+      // 16-bit rows: every token a stager copies takes the same piece
+      // (copy_fixed_piece; the loop below works the offsets out for every piece). Measured
       // (H200, tools/prefill_variants.py, 4 x 8192, d = 128, fp16 rows): 253 ->
       // 303 TFLOP/s. Quantized rows keep that loop: the same path, with their
       // scale words copied by the stagers of piece 0, took int8 from 308 to 284
@@ -234,22 +261,9 @@ struct Prefill {
       constexpr int kTokenStep = kStagers / kPieces;
       const int piece = stager % kPieces, first = stager / kPieces;
       const int offset = piece * CHUNK;
-      const bool in_row = offset < p.row_bytes;
-      const long long key_part = head * p.k_head_stride + offset, value_part = head * p.v_head_stride + offset;
-#pragma unroll
-      for (int i = 0; i < (TILE + kTokenStep - 1) / kTokenStep; ++i) {
-        const int token = first + i * kTokenStep;
-        const int position = base + token;
-        const int block = Pages::block_of(window, position >> block_shift);   // every lane shuffles
-        if (TILE % kTokenStep != 0 && token >= TILE) continue;
-        const bool valid = block >= 0 && position >= lo && position < hi;
-        const long long slot = position & (p.block_size - 1);
-        const int bytes = valid && in_row ? CHUNK : 0;
-        const u8* key_src = p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + key_part;
-        const u8* value_src = p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + value_part;
-        cp_async(keys + token * kRawStride + offset, bytes ? key_src : p.key_cache, bytes, CHUNK);
-        cp_async(values + token * kRawStride + offset, bytes ? value_src : p.value_cache, bytes, CHUNK);
-      }
+      copy_fixed_piece<kTokenStep>(p, keys, values, first, offset,
+                                   [&](u8* rows, int, int token) { return rows + token * kRawStride + offset; }, head, base, lo, hi,
+                                   block_shift, window);
       return;
     }
     constexpr int kWork = TILE * kPieces;
@@ -292,8 +306,7 @@ struct Prefill {
   // copies then touching 8 rows. (bf16 rows, d = 128, H200: 307 TFLOP/s with
   // the core matrices at S = 8, 299 at S = 1; 373-379 swizzled, at S = 1 or 2.)
   // Where the stagers divide the work into whole columns of pieces, each
-  // stager keeps its piece and its offsets, and a token costs a block id and
-  // two addresses.
+  // stager keeps its piece (copy_fixed_piece).
   template <int PIECES>
   static __device__ __forceinline__ void stage_direct(const Params& p, u8* buffer, int head, int base, int lo, int hi,
                                                       int block_shift, const typename Pages::PageWindow& window,
@@ -306,27 +319,13 @@ struct Prefill {
       constexpr int kTokenStep = kStagers / PIECES;   // a multiple of 8
       const unsigned item = stager;   // unsigned: / and % by powers of two are shifts and masks
       const int piece = item / S % PIECES, first = item % S + S * (item / (S * PIECES));
-      const int offset = piece * CHUNK;
-      const bool in_row = offset < p.row_bytes;
-      const long long key_part = head * p.k_head_stride + offset, value_part = head * p.v_head_stride + offset;
-      const int target = tile_offset(first, offset / 2);
       // Tokens kTokenStep apart (a multiple of 8: the same swizzle) lie this far apart.
       constexpr int kStepBytes = kTokenStep * (kSwizzled ? 128 : 2 * HEAD_PAD);
-#pragma unroll
-      for (int i = 0; i < (TILE + kTokenStep - 1) / kTokenStep; ++i) {
-        const int token = first + i * kTokenStep;
-        const int position = base + token;
-        const int block = Pages::block_of(window, position >> block_shift);   // every lane shuffles
-        if (TILE % kTokenStep != 0 && token >= TILE) continue;
-        const bool valid = block >= 0 && position >= lo && position < hi;
-        const long long slot = position & (p.block_size - 1);
-        const int bytes = valid && in_row ? CHUNK : 0;
-        const u8* key_src = p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + key_part;
-        const u8* value_src = p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + value_part;
-        const int at = target + i * kStepBytes;   // tile_offset(token, offset / 2)
-        cp_async(keys + at, bytes ? key_src : p.key_cache, bytes, CHUNK);
-        cp_async(values + at, bytes ? value_src : p.value_cache, bytes, CHUNK);
-      }
+      const int offset = piece * CHUNK;
+      const int target = tile_offset(first, offset / 2);
+      copy_fixed_piece<kTokenStep>(p, keys, values, first, offset,
+                                   [&](u8* rows, int i, int) { return rows + target + i * kStepBytes; },   // tile_offset(token, ..)
+                                   head, base, lo, hi, block_shift, window);
     } else {
 #pragma unroll 1
       for (int c0 = 0; c0 < kWork; c0 += kStagers) {
