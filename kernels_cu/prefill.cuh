@@ -118,13 +118,16 @@ struct Prefill {
   // not rotated (so the query enters exactly, as an fp16 query does fp16
   // rows), and P rounds to bf16 (2^-9 relative, FlashAttention's arithmetic).
   static constexpr bool kUnitScales = DIRECT;
-  // DIRECT tiles whose rows are whole 128-byte columns take the 128-byte
-  // swizzled layout (kvc_wgmma::swizzled_offset): a warp then copies whole rows
-  // without bank conflicts. The others keep the core matrices side by side
-  // (kvc_wgmma::core_offset). The decoding pass could write either (its
-  // stores go through decoded_at), but swizzled it measured no gain and its
-  // per-store addresses cost the producer registers (README, Prefill).
-  static constexpr bool kSwizzled = DIRECT && KVC_SWIZZLE && HEAD_PAD % 64 == 0;
+  // DIRECT tiles take a swizzled layout (kvc_wgmma::swizzled_offset; KVC_SWIZZLE):
+  // 128-byte columns where a row is whole ones (HEAD_PAD 64, 128), else 64-byte
+  // ones (HEAD_PAD 32, 96). A warp then copies whole rows without bank
+  // conflicts. Without KVC_SWIZZLE they keep the core matrices side by side
+  // (kvc_wgmma::core_offset), as the decoding pass's tiles do: it could write
+  // either (its stores go through decoded_at), but swizzled it measured no
+  // gain and its per-store addresses cost the producer registers (README, Prefill).
+  static constexpr int kSwizzleBytes = !(DIRECT && KVC_SWIZZLE) ? 0 : HEAD_PAD % 64 == 0 ? 128 : 64;
+  static constexpr bool kSwizzled = kSwizzleBytes != 0;
+  static_assert(!kSwizzled || HEAD_PAD % 32 == 0, "swizzled rows are whole 64-byte columns");
   // bf16 operands: the mma.sync build over bf16 rows read in place, whose P
   // then enters as a two-term split (kSplitP), and DIRECT bf16 rows. Every
   // other build's operands are fp16.
@@ -213,11 +216,13 @@ struct Prefill {
   // tile, token first + i STEP's piece to at(keys, i, token) and at(values,
   // i, token). The piece's offsets are worked out once; a token costs a block
   // id and two addresses. Tokens outside [lo, hi), ids outside the cache and
-  // pieces past the row are zero-filled.
+  // pieces past the row are zero-filled. A lane that is not `copying` only
+  // takes part in the page lookups' shuffles.
   template <int STEP, class At>
   static __device__ __forceinline__ void copy_fixed_piece(const Params& p, u8* keys, u8* values, int first, int offset,
                                                           At at, int head, int base, int lo, int hi, int block_shift,
-                                                          const typename Pages::PageWindow& window) {
+                                                          const typename Pages::PageWindow& window,
+                                                          bool copying = true) {
     const bool in_row = offset < p.row_bytes;
     const long long key_part = head * p.k_head_stride + offset, value_part = head * p.v_head_stride + offset;
 #pragma unroll
@@ -225,7 +230,7 @@ struct Prefill {
       const int token = first + i * STEP;
       const int position = base + token;
       const int block = Pages::block_of(window, position >> block_shift);   // every lane shuffles
-      if (TILE % STEP != 0 && token >= TILE) continue;
+      if ((TILE % STEP != 0 && token >= TILE) || !copying) continue;
       const bool valid = block >= 0 && position >= lo && position < hi;
       const long long slot = position & (p.block_size - 1);
       const int bytes = valid && in_row ? CHUNK : 0;
@@ -296,17 +301,18 @@ struct Prefill {
     }
   }
 
-  // DIRECT staging of a tile's rows into `buffer`: work item c is piece
-  // (c / S) % PIECES of token S (c / (S PIECES)) + c % S. Swizzled tiles take
-  // S = 1: a row's pieces on consecutive lanes, so that a warp reads whole rows
-  // (2 at d = 128) and 8 lanes write one row's 8 pieces of a column, in 8
-  // distinct bank groups. The core matrices take S = 8: 8 lanes on the same
-  // piece of 8 consecutive tokens, one core matrix's 128 contiguous bytes (a
-  // row's pieces there lie 128 bytes apart, in one bank group), a warp's
-  // copies then touching 8 rows. (bf16 rows, d = 128, H200: 307 TFLOP/s with
-  // the core matrices at S = 8, 299 at S = 1; 373-379 swizzled, at S = 1 or 2.)
-  // Where the stagers divide the work into whole columns of pieces, each
-  // stager keeps its piece (copy_fixed_piece).
+  // DIRECT staging of a tile's rows into `buffer`. Swizzled tiles: each warp
+  // copies whole rows, 32 / PIECES of them at a time, a row's pieces on
+  // consecutive lanes (lanes past the last whole row idle: 8 of 32 at d = 96),
+  // so that a warp reads whole rows from global memory and writes them in
+  // distinct bank groups (kvc_wgmma::swizzled_offset). Each lane keeps its
+  // piece (copy_fixed_piece), its tokens a multiple of 8 apart: the same swizzle
+  // phase, a fixed byte step. The core matrices: work item c is piece (c / 8)
+  // % PIECES of token 8 (c / (8 PIECES)) + c % 8: 8 lanes on the same piece of
+  // 8 consecutive tokens, one core matrix's 128 contiguous bytes (a row's
+  // pieces there lie 128 bytes apart, in one bank group), a warp's copies then
+  // touching 8 rows. (bf16 rows, d = 128, H200: 307 TFLOP/s with the core
+  // matrices, 299 with whole rows in them, 373-379 swizzled.)
   template <int PIECES>
   static __device__ __forceinline__ void stage_direct(const Params& p, u8* buffer, int head, int base, int lo, int hi,
                                                       int block_shift, const typename Pages::PageWindow& window,
@@ -314,19 +320,27 @@ struct Prefill {
     u8* const keys = buffer;
     u8* const values = buffer + kDecodedTensorBytes;
     constexpr int kWork = TILE * PIECES;
-    constexpr int S = kSwizzled ? 1 : 8;
-    if constexpr (kStagers % (S * PIECES) == 0 && (kStagers / PIECES) % 8 == 0) {
-      constexpr int kTokenStep = kStagers / PIECES;   // a multiple of 8
-      const unsigned item = stager;   // unsigned: / and % by powers of two are shifts and masks
-      const int piece = item / S % PIECES, first = item % S + S * (item / (S * PIECES));
-      // Tokens kTokenStep apart (a multiple of 8: the same swizzle) lie this far apart.
-      constexpr int kStepBytes = kTokenStep * (kSwizzled ? 128 : 2 * HEAD_PAD);
+    constexpr int kRowsAWarp = PIECES <= 32 ? 32 / PIECES : 0;
+    constexpr int kSwizzledStep = kStagers / 32 * kRowsAWarp;   // tokens between a lane's rows
+    if constexpr (kSwizzled && kRowsAWarp > 0 && kSwizzledStep % 8 == 0) {
+      const unsigned lane = stager & 31;   // unsigned: / and % by powers of two are shifts and masks
+      const int piece = lane % PIECES, first = stager / 32 * kRowsAWarp + lane / PIECES;
       const int offset = piece * CHUNK;
       const int target = tile_offset(first, offset / 2);
-      copy_fixed_piece<kTokenStep>(p, keys, values, first, offset,
-                                   [&](u8* rows, int i, int) { return rows + target + i * kStepBytes; },   // tile_offset(token, ..)
+      copy_fixed_piece<kSwizzledStep>(p, keys, values, first, offset,
+                                      [&](u8* rows, int i, int) { return rows + target + i * kSwizzledStep * kSwizzleBytes; },
+                                      head, base, lo, hi, block_shift, window, lane < kRowsAWarp * PIECES);
+    } else if constexpr (!kSwizzled && kStagers % (8 * PIECES) == 0) {
+      constexpr int kTokenStep = kStagers / PIECES;   // a multiple of 8
+      const unsigned item = stager;
+      const int piece = item / 8 % PIECES, first = item % 8 + 8 * (item / (8 * PIECES));
+      const int offset = piece * CHUNK;
+      const int target = tile_offset(first, offset / 2);
+      copy_fixed_piece<kTokenStep>(p, keys, values, first, offset,   // tokens kTokenStep apart: whole core-matrix rows
+                                   [&](u8* rows, int i, int) { return rows + target + i * kTokenStep * 2 * HEAD_PAD; },
                                    head, base, lo, hi, block_shift, window);
-    } else {
+    } else {   // the same items (one token a row of pieces where swizzled), their offsets worked out each time
+      constexpr int S = kSwizzled ? 1 : 8;
 #pragma unroll 1
       for (int c0 = 0; c0 < kWork; c0 += kStagers) {
         const unsigned c = c0 + stager;
@@ -354,7 +368,8 @@ struct Prefill {
 
   // Byte offset of dim `dim` of token `token` in a wgmma build's decoded K or V rows.
   static __device__ __forceinline__ int tile_offset(int token, int dim) {
-    return kSwizzled ? kvc_wgmma::swizzled_offset(token, dim, TILE) : kvc_wgmma::core_offset(token, dim, HEAD_PAD);
+    if constexpr (kSwizzled) return kvc_wgmma::swizzled_offset<kSwizzleBytes>(token, dim, TILE);
+    return kvc_wgmma::core_offset(token, dim, HEAD_PAD);
   }
 
   // Where logical dim `dim` of decoded row `row` (K rows, then V rows) lies.
@@ -1114,7 +1129,7 @@ struct Prefill {
 
   static __device__ void run(const Params& p, int block_shift) {
     extern __shared__ __align__(1024) u8 smem[];
-    if constexpr (kSwizzled) {   // the swizzled layout's premise: its address bits 7-9 are the row's
+    if constexpr (kSwizzled) {   // the swizzled layouts' premise: the address bits they XOR in are the row's
       if (static_cast<u32>(__cvta_generic_to_shared(smem)) % 1024 != 0) __trap();
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1402,15 +1417,18 @@ struct Prefill {
         kvc_wgmma::hold(score);
         kvc_wgmma::fence();
         // k step kc: dims 16 kc.., 256 bytes on (a descriptor counts 16-byte
-        // units); swizzled, 32 bytes within a 64-dim column (swizzled_offset).
-        const kvc_wgmma::u64 key_operand = kSwizzled ? kvc_wgmma::descriptor<true>(keys, 16, 1024)
-                                                     : kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
+        // units); swizzled, 32 bytes within a column of kSwizzleBytes / 2 dims
+        // (swizzled_offset), kKeySteps k steps a column.
+        constexpr int kKeySteps = kSwizzled ? kSwizzleBytes / 32 : 1;
+        const kvc_wgmma::u64 key_operand = kSwizzled
+                                               ? kvc_wgmma::descriptor<kSwizzleBytes>(keys, 16, 8 * kSwizzleBytes)
+                                               : kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
         if constexpr (PRODUCER) {   // the query from registers
 #pragma unroll
           for (int kc = 0; kc < KC; ++kc)
             kvc_wgmma::Products<TILE, kBf16>::rs_k(
                 score, query_fragments[kc],
-                key_operand + (kSwizzled ? ((kc >> 2) * TILE * 128 + (kc & 3) * 32) / 16 : 16 * kc));
+                key_operand + (kSwizzled ? (kc / kKeySteps * TILE * kSwizzleBytes + kc % kKeySteps * 32) / 16 : 16 * kc));
         } else {   // the query rows from shared memory
           const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
 #pragma unroll
@@ -1427,14 +1445,15 @@ struct Prefill {
         kvc_wgmma::hold(out);
         kvc_wgmma::fence();
         // B = V rows 16 j.. (K, tokens) x dims (N): core matrices 128 bytes apart along the dims.
-        // Swizzled: 64-dim columns TILE x 128 bytes apart, 8-token groups 1024.
-        const kvc_wgmma::u64 value_operand = kSwizzled ? kvc_wgmma::descriptor<true>(values, TILE * 128, 1024)
-                                                       : kvc_wgmma::descriptor(values, 16 * HEAD_PAD, 128);
+        // Swizzled: columns TILE x kSwizzleBytes apart, 8-token groups 8 x kSwizzleBytes.
+        const kvc_wgmma::u64 value_operand =
+            kSwizzled ? kvc_wgmma::descriptor<kSwizzleBytes>(values, TILE * kSwizzleBytes, 8 * kSwizzleBytes)
+                      : kvc_wgmma::descriptor(values, 16 * HEAD_PAD, 128);
 #pragma unroll
         for (int j = 0; j < TILE / 16; ++j) {
           const u32 a_high[4] = {p_high[2 * j][0], p_high[2 * j][1], p_high[2 * j + 1][0], p_high[2 * j + 1][1]};
-          kvc_wgmma::Products<HEAD_PAD, kBf16>::rs_mn(   // 32 j HEAD_PAD bytes on; swizzled, 2048 j
-              out, a_high, value_operand + (kSwizzled ? 128 * j : 2 * j * HEAD_PAD));
+          kvc_wgmma::Products<HEAD_PAD, kBf16>::rs_mn(   // 32 j HEAD_PAD bytes on; swizzled, 16 j kSwizzleBytes
+              out, a_high, value_operand + (kSwizzled ? kSwizzleBytes * j : 2 * j * HEAD_PAD));
         }
       }
     };

@@ -38,31 +38,41 @@ __host__ __device__ constexpr int core_offset(int row, int col, int cols) {
 }
 
 // Descriptor of an operand at `shared` (16-byte aligned) in the layout above.
-// SWIZZLE_128: the 128-byte swizzled layout instead (below; the strides then
+// SWIZZLE_BYTES 128 or 64: a swizzled layout instead (below; the strides then
 // mean what it says).
-template <bool SWIZZLE_128 = false>
+template <int SWIZZLE_BYTES = 0>
 __device__ __forceinline__ u64 descriptor(const void* shared, u32 leading_bytes, u32 stride_bytes) {
+  static_assert(SWIZZLE_BYTES == 0 || SWIZZLE_BYTES == 64 || SWIZZLE_BYTES == 128, "a layout wgmma reads");
+  // Layout type, bits 62-63: 0 none, 1 the 128-byte swizzle, 2 the 64-byte one.
+  constexpr u64 kLayout = SWIZZLE_BYTES == 128 ? 1 : SWIZZLE_BYTES == 64 ? 2 : 0;
   const u32 address = static_cast<u32>(__cvta_generic_to_shared(shared));
   return static_cast<u64>((address & 0x3FFFFu) >> 4) | static_cast<u64>(leading_bytes >> 4) << 16 |
          static_cast<u64>(stride_bytes >> 4) << 32 |   // base offset 0
-         static_cast<u64>(SWIZZLE_128 ? 1 : 0) << 62;   // layout type: 0 none, 1 128-byte swizzle
+         kLayout << 62;
 }
 
-// The 128-byte swizzled layout of a [rows][cols] 16-bit tile (cols a multiple
-// of 64), 1024-byte aligned: cols in columns of 64 (128 bytes), column c of
-// all rows at c x rows x 128 bytes, row r's 128 bytes at 128 r within it,
-// holding its 16-byte pieces in the order piece ^ (r % 8) (the hardware's
-// swizzle: address bits 4-6 XOR bits 7-9). The 8 pieces of one row then lie in
-// 8 distinct bank groups, so a warp that writes whole rows writes without
-// conflict, and the products read it as the unswizzled layout. As a K-major
-// operand (rows along M or N): stride 1024 bytes between 8-row groups, the
-// leading offset unused (16), a k step of 16 cols 32 bytes on within a column
-// and rows x 128 from one column to the next. As an MN-major one (rows along
-// K): leading offset rows x 128 (between columns), stride 1024 (8-row groups),
-// a k step of 16 rows 2048 bytes on (PTX ISA "Matrix Descriptor Format";
-// CUTLASS's make_gmma_desc names the strides the same way).
+// The swizzled layouts of a [rows][cols] 16-bit tile, W = BYTES (128 or 64;
+// cols a multiple of W / 2), 1024-byte aligned: cols in columns of W / 2 (W
+// bytes), column c of all rows at c x rows x W bytes, row r's W bytes at W r
+// within it, holding its 16-byte pieces in the order piece ^ phase(r), phase
+// the bits of W r above its 128-byte line: the hardware's swizzle (128: address
+// bits 4-6 XOR bits 7-9, phase r % 8; 64: bits 4-5 XOR bits 7-8, phase (r / 2) % 4).
+// A row's pieces then lie in distinct bank groups, as do the two rows that
+// share a 128-byte line at W = 64, so a warp that writes whole rows writes
+// without conflict, and the products read it as the unswizzled layout. The
+// phase repeats every 8 rows: an 8-row group of a column is one W x 8 atom.
+// As a K-major operand (rows along M or N): stride 8 W bytes between 8-row
+// groups, the leading offset unused (16), a k step of 16 cols 32 bytes on
+// within a column and rows x W from one column to the next. As an MN-major
+// one (rows along K): leading offset rows x W (between columns), stride 8 W
+// (8-row groups), a k step of 16 rows 16 W bytes on (PTX ISA "Matrix
+// Descriptor Format"; CUTLASS's make_gmma_desc names the strides the same way).
+template <int BYTES>
 __host__ __device__ constexpr int swizzled_offset(int row, int col, int rows) {
-  return (col >> 6) * rows * 128 + row * 128 + ((((col >> 3) & 7) ^ (row & 7)) << 4) + (col & 7) * 2;
+  static_assert(BYTES == 128 || BYTES == 64, "a swizzle wgmma reads");
+  constexpr int kPieces = BYTES / 16;
+  const int phase = (row * BYTES >> 7) & (kPieces - 1);
+  return col / (BYTES / 2) * rows * BYTES + row * BYTES + ((((col >> 3) & (kPieces - 1)) ^ phase) << 4) + (col & 7) * 2;
 }
 
 // Before a warpgroup's first product that touches accumulators written by ordinary instructions.

@@ -317,7 +317,7 @@ def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, mon
 
 @pytest.mark.parametrize("options", [dict(), dict(sliding_window=700), dict(softcap=5.0), dict(sinks=True)],
                          ids=["plain", "window", "softcap", "sinks"])
-@pytest.mark.parametrize("head_size", (128, 80, 64))
+@pytest.mark.parametrize("head_size", (128, 96, 80, 64, 32))
 @pytest.mark.parametrize("model_dtype,query_dtype,rotation,direct", [
     ("bfloat16", "bfloat16", "none", True), ("bfloat16", "bfloat16", "blockdiag", False),
     ("bfloat16", np.float32, "none", False), (np.float16, "bfloat16", "blockdiag", True),
@@ -329,7 +329,8 @@ def test_prefill_direct_rows(model_dtype, query_dtype, rotation, direct, head_si
     pin too), and fp16 rows under any query (PREFILL_DIRECT_F16, on here). A
     chunk of 256 tokens over 5744 cached and a prompt of 700: 95 key tiles
     through the buffers; d = 80 pads its rows to 96 dims with zero-filled
-    copies."""
+    copies. The direct tiles are swizzled: 128-byte columns at d = 128 and 64,
+    64-byte ones at 96 (80) and 32 (a warp copying 2 and 8 rows at a time)."""
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the producer build is a wgmma build: sm_90 GPUs")
     monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", True)

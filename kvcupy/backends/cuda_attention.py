@@ -318,8 +318,9 @@ class PrefillKernel:
 
     @property
     def swizzled(self) -> bool:
-        """Whether the decoded tiles take the 128-byte swizzled layout (prefill.cuh's kSwizzled)."""
-        return PREFILL_SWIZZLE and self.direct and self.head_pad % 64 == 0
+        """Whether the decoded tiles take a swizzled layout (prefill.cuh's kSwizzled: 128-byte
+        columns where head_pad is a multiple of 64, else 64-byte ones)."""
+        return PREFILL_SWIZZLE and self.direct
 
     @property
     def shared_bytes(self) -> int:
