@@ -144,20 +144,25 @@ PREFILL_WGMMA_AUTO = True
 # scales. H200, 4 x 8192 causal, d = 128 (tools/prefill_variants.py, bf16 rows
 # and query, alternating): 250.8 / 249.2 decoded -> 300.1 / 300.5 TFLOP/s
 # direct with three tiles in flight; 2048 over 30720 cached 267.7 / 267.4 ->
-# 324.2 / 317.2. fp16 rows gain nothing (decoded 302.2 / 301.9, direct 302.0 /
-# 293.4 with one tile in flight): PREFILL_DIRECT_F16 off.
+# 324.2 / 317.2. fp16 rows gained nothing in the core matrices (decoded 302.2 /
+# 301.9, direct 302.0 / 293.4 with one tile in flight), but swizzled
+# (PREFILL_SWIZZLE) they do: decoded 300.5 / 296.6 -> direct 374.7 / 370.9,
+# chunked 322.2 / 319.0 -> 395.0 / 398.3 (2026-12-03, alternating), so
+# PREFILL_DIRECT_F16 is on.
 PREFILL_DIRECT = True
-PREFILL_DIRECT_F16 = False
+PREFILL_DIRECT_F16 = True
 # Tiles in flight beside the consumers' three buffers (as many as fit, at most
 # this). bf16, 4 x 8192 / chunked: 0 -> 276.8 / 289.0, 1 -> 310.8 / 328.5,
 # 2 -> 308.9 / 326.8, 3 -> 303.2 / 322.6 (one run).
 PREFILL_DIRECT_STAGES = 1
-# Direct tiles in the 128-byte swizzled layout where a row is whole 128-byte
-# columns (head_pad 64 or 128; prefill.cuh, kSwizzled), the copies then taking
-# whole rows. H200, bf16 rows and query, d = 128 (tools/prefill_variants.py,
-# alternating, two rounds): 4 x 8192 307.2 / 307.8 -> 377.2 / 373.3 TFLOP/s;
-# 2048 over 30720 cached 331.4 / 330.7 -> 419.3 / 412.4. ncu, 4 x 8192: L2
-# throughput 88.9% -> 29.0%, 7.18 -> 5.82 ms. The decoding pass's tiles
+# Direct tiles in a swizzled layout (prefill.cuh, kSwizzleBytes): 128-byte
+# columns where head_pad is a multiple of 64, 64-byte ones at 96 and 32; the
+# copies then take whole rows. H200, bf16 rows and query (tools/prefill_variants.py,
+# alternating, two rounds), core matrices -> swizzled, TFLOP/s: d = 128, 4 x
+# 8192 307.2 / 307.8 -> 377.2 / 373.3, 2048 over 30720 cached 331.4 / 330.7 ->
+# 419.3 / 412.4 (ncu, 4 x 8192: L2 throughput 88.9% -> 29.0%, 7.18 -> 5.82
+# ms); d = 96 (64-byte, 2026-12-03) 253.5 / 252.3 -> 284.8 / 286.2, chunked
+# 268.1 / 268.5 -> 308.9 / 310.5. The decoding pass's tiles
 # swizzled (quantized caches, fp16 rows decoded) measured no gain: int4 342.5
 # -> 324.7-333.5, int8 307.8 -> 277-308, fp8 312.9 -> 285-313 by producer
 # registers and batch (docs/gpu-notes.md).
