@@ -243,7 +243,7 @@ struct Prefill {
 
   // Stage `stage` <- raw K / V rows (and scale words) of tokens base .. base + TILE - 1
   // in [lo, hi) of KV head `head`; other tokens, and ids outside the cache, zero-filled.
-  // DIRECT: decoded buffer `stage` <- the rows as its core matrices.
+  // DIRECT: decoded buffer `stage` <- the rows in the products' layout (stage_direct).
   static __device__ __forceinline__ void stage_tile(const Params& p, u8* smem, int stage, int head, int base, int lo,
                                                     int hi, int block_shift,
                                                     const typename Pages::PageWindow& window, int stager) {
@@ -266,9 +266,8 @@ struct Prefill {
       constexpr int kTokenStep = kStagers / kPieces;
       const int piece = stager % kPieces, first = stager / kPieces;
       const int offset = piece * CHUNK;
-      copy_fixed_piece<kTokenStep>(p, keys, values, first, offset,
-                                   [&](u8* rows, int, int token) { return rows + token * kRawStride + offset; }, head, base, lo, hi,
-                                   block_shift, window);
+      auto at = [&](u8* rows, int, int token) { return rows + token * kRawStride + offset; };
+      copy_fixed_piece<kTokenStep>(p, keys, values, first, offset, at, head, base, lo, hi, block_shift, window);
       return;
     }
     constexpr int kWork = TILE * kPieces;
@@ -327,18 +326,18 @@ struct Prefill {
       const int piece = lane % PIECES, first = stager / 32 * kRowsAWarp + lane / PIECES;
       const int offset = piece * CHUNK;
       const int target = tile_offset(first, offset / 2);
-      copy_fixed_piece<kSwizzledStep>(p, keys, values, first, offset,
-                                      [&](u8* rows, int i, int) { return rows + target + i * kSwizzledStep * kSwizzleBytes; },
-                                      head, base, lo, hi, block_shift, window, lane < kRowsAWarp * PIECES);
+      auto at = [&](u8* rows, int i, int) { return rows + target + i * kSwizzledStep * kSwizzleBytes; };
+      copy_fixed_piece<kSwizzledStep>(p, keys, values, first, offset, at, head, base, lo, hi, block_shift, window,
+                                      lane < kRowsAWarp * PIECES);
     } else if constexpr (!kSwizzled && kStagers % (8 * PIECES) == 0) {
       constexpr int kTokenStep = kStagers / PIECES;   // a multiple of 8
       const unsigned item = stager;
       const int piece = item / 8 % PIECES, first = item % 8 + 8 * (item / (8 * PIECES));
       const int offset = piece * CHUNK;
       const int target = tile_offset(first, offset / 2);
-      copy_fixed_piece<kTokenStep>(p, keys, values, first, offset,   // tokens kTokenStep apart: whole core-matrix rows
-                                   [&](u8* rows, int i, int) { return rows + target + i * kTokenStep * 2 * HEAD_PAD; },
-                                   head, base, lo, hi, block_shift, window);
+      // Tokens kTokenStep apart (a multiple of 8): whole core-matrix rows apart.
+      auto at = [&](u8* rows, int i, int) { return rows + target + i * kTokenStep * 2 * HEAD_PAD; };
+      copy_fixed_piece<kTokenStep>(p, keys, values, first, offset, at, head, base, lo, hi, block_shift, window);
     } else {   // the same items (one token a row of pieces where swizzled), their offsets worked out each time
       constexpr int S = kSwizzled ? 1 : 8;
 #pragma unroll 1
@@ -1428,7 +1427,8 @@ struct Prefill {
           for (int kc = 0; kc < KC; ++kc)
             kvc_wgmma::Products<TILE, kBf16>::rs_k(
                 score, query_fragments[kc],
-                key_operand + (kSwizzled ? (kc / kKeySteps * TILE * kSwizzleBytes + kc % kKeySteps * 32) / 16 : 16 * kc));
+                key_operand +
+                    (kSwizzled ? (kc / kKeySteps * TILE * kSwizzleBytes + kc % kKeySteps * 32) / 16 : 16 * kc));
         } else {   // the query rows from shared memory
           const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
 #pragma unroll
