@@ -326,7 +326,7 @@ def test_prefill_direct_rows(model_dtype, query_dtype, rotation, direct, head_si
     """The producer build over auto caches copies the rows straight into the
     products' layout (prefill.cuh, DIRECT): bf16 rows as bf16 operands where the
     query is bf16 and not rotated (otherwise the decoding pass, which these cases
-    pin too), and fp16 rows under any query (PREFILL_DIRECT_F16, on here). A
+    pin too), and fp16 rows under any query (PREFILL_DIRECT_F16, pinned on here). A
     chunk of 256 tokens over 5744 cached and a prompt of 700: 95 key tiles
     through the buffers; d = 80 pads its rows to 96 dims with zero-filled
     copies. The direct tiles are swizzled: 128-byte columns at d = 128 and 64,

@@ -16,8 +16,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
                 the products' layout (cuda_attention.PREFILL_DIRECT)
   "direct_stages": the direct builds' tiles in flight at most (cuda_attention.PREFILL_DIRECT_STAGES)
   "direct_f16": fp16 rows copied into the products' layout too (cuda_attention.PREFILL_DIRECT_F16)
-  "swizzle":    false: direct tiles in the core matrices, not the 128-byte swizzled
-                layout (cuda_attention.PREFILL_SWIZZLE)
+  "swizzle":    false: direct tiles in the core matrices, not the swizzled
+                layouts (cuda_attention.PREFILL_SWIZZLE)
   "producer_min_keys": keys a sequence from which the planner takes the producer build
                 (cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
   "rotation":   the caches' rotation kind (default "none"; the bench's caches use "blockdiag")
@@ -100,45 +100,37 @@ def time_case(case: dict) -> tuple[float, object]:
     return ms, plan
 
 
+# Variant keys that set one of cuda_attention's planner constants.
+CONSTANT_KEYS = {"split_gain": "PREFILL_SPLIT_GAIN", "min_rows": "PREFILL_MIN_ROWS", "tile": "PREFILL_TILE",
+                 "min_blocks": "PREFILL_MIN_BLOCKS", "wgmma": "PREFILL_WGMMA", "producer": "PREFILL_PRODUCER",
+                 "direct": "PREFILL_DIRECT", "direct_stages": "PREFILL_DIRECT_STAGES",
+                 "direct_f16": "PREFILL_DIRECT_F16", "swizzle": "PREFILL_SWIZZLE",
+                 "producer_min_keys": "PREFILL_PRODUCER_MIN_KEYS"}
+
+
 def with_variant(variant: dict, run):
     """run() with the variant's planner constants, defines and sources, restored after."""
-    saved = (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS, cuda_attention.PREFILL_WARPS,
-             cuda_attention.PREFILL_WGMMA_WARPS, cuda_attention.PrefillKernel.defines,
-             cuda_attention.PREFILL_WGMMA, os.environ.get(jit.SOURCE_DIR_ENV), cuda_attention.PREFILL_MIN_ROWS,
-             cuda_attention.choose_prefill_splits, cuda_attention.PREFILL_SPLIT_GAIN,
-             cuda_attention.PREFILL_PRODUCER, cuda_attention.PREFILL_PRODUCER_MIN_KEYS,
-             cuda_attention.PREFILL_DIRECT, cuda_attention.PREFILL_DIRECT_STAGES,
-             cuda_attention.PREFILL_DIRECT_F16, cuda_attention.PREFILL_SWIZZLE)
-    plain_defines = saved[4].fget
+    names = [*CONSTANT_KEYS.values(), "PREFILL_WARPS", "PREFILL_WGMMA_WARPS", "choose_prefill_splits"]
+    saved = {name: getattr(cuda_attention, name) for name in names}
+    plain_defines = cuda_attention.PrefillKernel.defines
+    source = os.environ.get(jit.SOURCE_DIR_ENV)
+    for key, name in CONSTANT_KEYS.items():
+        if key in variant:
+            setattr(cuda_attention, name, variant[key])
     if "splits" in variant:
         cuda_attention.choose_prefill_splits = lambda *args: variant["splits"]
-    cuda_attention.PREFILL_SPLIT_GAIN = variant.get("split_gain", cuda_attention.PREFILL_SPLIT_GAIN)
-    cuda_attention.PREFILL_MIN_ROWS = variant.get("min_rows", cuda_attention.PREFILL_MIN_ROWS)
-    cuda_attention.PREFILL_TILE = variant.get("tile", cuda_attention.PREFILL_TILE)
-    cuda_attention.PREFILL_MIN_BLOCKS = variant.get("min_blocks", cuda_attention.PREFILL_MIN_BLOCKS)
-    cuda_attention.PREFILL_WGMMA = variant.get("wgmma", cuda_attention.PREFILL_WGMMA)
-    cuda_attention.PREFILL_PRODUCER = variant.get("producer", cuda_attention.PREFILL_PRODUCER)
-    cuda_attention.PREFILL_DIRECT = variant.get("direct", cuda_attention.PREFILL_DIRECT)
-    cuda_attention.PREFILL_DIRECT_STAGES = variant.get("direct_stages", cuda_attention.PREFILL_DIRECT_STAGES)
-    cuda_attention.PREFILL_DIRECT_F16 = variant.get("direct_f16", cuda_attention.PREFILL_DIRECT_F16)
-    cuda_attention.PREFILL_SWIZZLE = variant.get("swizzle", cuda_attention.PREFILL_SWIZZLE)
-    cuda_attention.PREFILL_PRODUCER_MIN_KEYS = variant.get("producer_min_keys",
-                                                           cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
     if "warps" in variant:   # either build
         cuda_attention.PREFILL_WARPS = cuda_attention.PREFILL_WGMMA_WARPS = variant["warps"]
-    cuda_attention.PrefillKernel.defines = property(lambda k: {**plain_defines(k), **variant.get("defines", {})})
+    cuda_attention.PrefillKernel.defines = property(
+        lambda k: {**plain_defines.fget(k), **variant.get("defines", {})})
     if "src" in variant:
         os.environ[jit.SOURCE_DIR_ENV] = variant["src"]
     try:
         return run()
     finally:
-        (cuda_attention.PREFILL_TILE, cuda_attention.PREFILL_MIN_BLOCKS, cuda_attention.PREFILL_WARPS,
-         cuda_attention.PREFILL_WGMMA_WARPS, cuda_attention.PrefillKernel.defines,
-         cuda_attention.PREFILL_WGMMA, source, cuda_attention.PREFILL_MIN_ROWS,
-         cuda_attention.choose_prefill_splits, cuda_attention.PREFILL_SPLIT_GAIN,
-         cuda_attention.PREFILL_PRODUCER, cuda_attention.PREFILL_PRODUCER_MIN_KEYS,
-         cuda_attention.PREFILL_DIRECT, cuda_attention.PREFILL_DIRECT_STAGES,
-         cuda_attention.PREFILL_DIRECT_F16, cuda_attention.PREFILL_SWIZZLE) = saved
+        for name, value in saved.items():
+            setattr(cuda_attention, name, value)
+        cuda_attention.PrefillKernel.defines = plain_defines
         if source is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
         else:
