@@ -83,6 +83,9 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 #ifndef KVC_SWIZZLE
 #define KVC_SWIZZLE 0   // Prefill::kSwizzled (the launcher's PrefillKernel.swizzled)
 #endif
+#ifndef KVC_ROTATED
+#define KVC_ROTATED 1   // 0: no rotation's code at all (Prefill::kRotated; the launcher's PrefillKernel.rotated)
+#endif
 #ifndef KVC_PRODUCER_REGS
 #define KVC_PRODUCER_REGS 56   // the fewest that spill nothing (producer's loop; 40 spilled 16-120 bytes)
 #endif
@@ -127,6 +130,11 @@ struct Prefill {
   // gain and its per-store addresses cost the producer registers (README, Prefill).
   static constexpr int kSwizzleBytes = !(DIRECT && KVC_SWIZZLE) ? 0 : HEAD_PAD % 64 == 0 ? 128 : 64;
   static constexpr bool kSwizzled = kSwizzleBytes != 0;
+  // Builds for caches without a rotation (KVC_ROTATED 0) leave the query's and
+  // the output's rotation out: their registers bound the build without the
+  // producer (int8 at d = 128: 628 bytes spilled at 12 warps with them, none
+  // without; 8 warps at two blocks a multiprocessor, 2792 against 100).
+  static constexpr bool kRotated = KVC_ROTATED != 0;
   static_assert(!kSwizzled || HEAD_PAD % 32 == 0, "swizzled rows are whole 64-byte columns");
   // bf16 operands: the mma.sync build over bf16 rows read in place, whose P
   // then enters as a two-term split (kSplitP), and DIRECT bf16 rows. Every
@@ -734,13 +742,16 @@ struct Prefill {
   // or the factor beside the butterflies across groups (the host's rotation_stages).
   // Those few fragments are read from global memory (L1) where they lie.
   static constexpr int kGroupShift = 4;
+  // The host's rotation_shift (-1: none), as this build applies it.
+  static __device__ __forceinline__ int rotation_shift(const Params& p) { return kRotated ? p.rotation_shift : -1; }
 
   // The rotation's fragments (cuda_attention.rotation_fragments: [KC][ND][32
   // lanes] x 8 bytes, HEAD_PAD^2 x 2 bytes in all) into shared memory at `to`,
   // every thread of the block copying 16 bytes at a time. Read from there, a
   // warp's fragment is one conflict-free 8-byte access a lane.
   static constexpr int kFragmentBytes = HEAD_PAD * HEAD_PAD * 2;
-  static_assert(kFragmentBytes <= WARPS * kQueryTerms * kQueryBytes, "the fragments fit where the query rows go");
+  static_assert(!kRotated || kFragmentBytes <= WARPS * kQueryTerms * kQueryBytes,
+                "the fragments fit where the query rows go");
   template <int THREADS = kThreads>
   static __device__ __forceinline__ void stage_fragments(const uint2* from, u8* to) {
     constexpr int kWords = kFragmentBytes / 16;
@@ -814,13 +825,16 @@ struct Prefill {
   }
 
   // y = x M for this warp's 16 rows (x in C-fragment order, M's fragments in
-  // shared memory), each row times factor / up[r], then `stages` butterflies
-  // across groups (the forward rotation's order: M, then the Sylvester
-  // factor); emit(n, y[4]) takes n tile n's C fragment. x enters as two fp16
-  // terms (~22 bits) where MAY_LOW and with_low, else as one (exact where x
-  // holds fp16 or bf16 values); without MAY_LOW the low terms are not even
-  // worked out (a short prompt's block then skips a third of its rotation's work).
-  template <bool MAY_LOW, class Emit>
+  // shared memory), each row times factor / up[r], then (ACROSS_GROUPS)
+  // `stages` butterflies across groups (the forward rotation's order: M, then
+  // the Sylvester factor); emit(n, y[4]) takes n tile n's C fragment. x enters
+  // as two fp16 terms (~22 bits) where MAY_LOW and with_low, else as one (exact
+  // where x holds fp16 or bf16 values); without MAY_LOW the low terms are not
+  // even worked out (a short prompt's block then skips a third of its
+  // rotation's work). Without ACROSS_GROUPS (the inverse, whose butterflies
+  // come first) each group of four n tiles is emitted as soon as it is done,
+  // so that y is never held whole (the epilogue's registers).
+  template <bool MAY_LOW, bool ACROSS_GROUPS, class Emit>
   static __device__ __forceinline__ void rotate_rows(const float (&x)[ND][4], const u8* fragments, int shift,
                                                      int stages, bool with_low, float factor, Emit emit) {
     const int lane = threadIdx.x & 31;
@@ -865,10 +879,16 @@ struct Prefill {
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) y[n0 + j][i] = acc[j][i] * scale[i >> 1];
-    }
-    butterflies_across_groups(y, stages);
+      if constexpr (!ACROSS_GROUPS) {
 #pragma unroll
-    for (int n = 0; n < ND; ++n) emit(n, y[n]);
+        for (int j = 0; j < 4; ++j) emit(n0 + j, y[n0 + j]);
+      }
+    }
+    if constexpr (ACROSS_GROUPS) {
+      butterflies_across_groups(y, stages);
+#pragma unroll
+      for (int n = 0; n < ND; ++n) emit(n, y[n]);
+    }
   }
 
   // values[kc][h][r][j]: the query row g + 8 r of this warp, logical dim
@@ -903,9 +923,10 @@ struct Prefill {
     }
     // The fragments in shared memory: staged here, or come with the rows (bulk);
     // without bulk copies, those in 16-dim groups are read where they lie.
-    const bool staged_fragments = p.rotation_shift >= 0 && (p.rotation_shift != kGroupShift || staged != nullptr);
+    const int shift = rotation_shift(p);
+    const bool staged_fragments = shift >= 0 && (shift != kGroupShift || staged != nullptr);
     float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), dim 8 n + 2t + i % 2
-    if (p.rotation_shift < 0) {
+    if (shift < 0) {
       load_query_elements<true>(p, rows, row_valid, p.query_factor, raw);
 #pragma unroll
       for (int n = 0; n < ND; ++n)
@@ -929,9 +950,9 @@ struct Prefill {
     // long blocks keep one copy (its loop shares the registers).
     const bool with_low = p.query_dtype == kDtypeF32;
     if (PRODUCER || with_low)
-      rotate_rows<true>(raw, fragments, p.rotation_shift, p.rotation_stages, with_low, p.query_factor, emit);
+      rotate_rows<true, true>(raw, fragments, shift, p.rotation_stages, with_low, p.query_factor, emit);
     else
-      rotate_rows<false>(raw, fragments, p.rotation_shift, p.rotation_stages, false, p.query_factor, emit);
+      rotate_rows<false, true>(raw, fragments, shift, p.rotation_stages, false, p.query_factor, emit);
     // Every warp done with the staged fragments: the query rows go there next.
     if (staged_fragments) __syncthreads();
   }
@@ -995,11 +1016,12 @@ struct Prefill {
           o = weight != 0.f ? o * factor : 0.f / total;
         }
     }
-    const bool staged_fragments = p.rotation_shift >= 0 && p.rotation_shift != kGroupShift && !early_inverse;
+    const int shift = rotation_shift(p);
+    const bool staged_fragments = shift >= 0 && shift != kGroupShift && !early_inverse;
     // Every consumer is past its last read of the query rows and of the decoded
     // buffers, which the fragments and the staged rows overwrite.
     if (staged_fragments || bulk_out) consumers_sync();
-    if (p.rotation_shift < 0) {
+    if (shift < 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         if (!row_valid[r]) continue;
@@ -1023,7 +1045,7 @@ struct Prefill {
       // The inverse rotation: the Sylvester factor across groups first, then the products.
       butterflies_across_groups(out, p.rotation_stages);
       trace_mark(kTraceOutputNormalised);
-      rotate_rows<true>(out, fragments, p.rotation_shift, 0, true, p.out_factor, [&](int n, const float (&y)[4]) {
+      rotate_rows<true, false>(out, fragments, shift, 0, true, p.out_factor, [&](int n, const float (&y)[4]) {
         const int channel = 8 * n + 2 * t;
 #pragma unroll
         for (int r = 0; r < 2; ++r)
@@ -1131,6 +1153,7 @@ struct Prefill {
     if constexpr (kSwizzled) {   // the swizzled layouts' premise: the address bits they XOR in are the row's
       if (static_cast<u32>(__cvta_generic_to_shared(smem)) % 1024 != 0) __trap();
     }
+    if (!kRotated && p.rotation_shift >= 0) __trap();   // a rotated cache in a build without the rotation
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int seq = p.tiles[2 * blockIdx.y], row_tile = p.tiles[2 * blockIdx.y + 1];
@@ -1206,7 +1229,7 @@ struct Prefill {
     const bool bulk_out =
         p.direct && bulk_rows(p.out, p.out_token_stride, p.out_head_stride, p.out_dtype, p.head_size);
     const bool early_inverse =
-        kEarlyInverse && bulk_query && p.direct && p.rotation_shift >= 0 && num_tiles < kDecodedBuffers;
+        kEarlyInverse && bulk_query && p.direct && rotation_shift(p) >= 0 && num_tiles < kDecodedBuffers;
     if constexpr (PRODUCER) {
       if (threadIdx.x < kDecodedBuffers) {
         mbarrier_init(full + 8 * threadIdx.x, kStagers);
@@ -1223,9 +1246,9 @@ struct Prefill {
       // in 16-dim groups only the runs that hold nonzeros (k step ks: n tiles
       // 2 ks and 2 ks + 1, 512 bytes), by the last KC threads (the inverse's:
       // the KC before them).
-      const int parts = p.rotation_shift == kGroupShift ? KC : 1;
+      const int parts = rotation_shift(p) == kGroupShift ? KC : 1;
       const int slot = kThreads - 1 - threadIdx.x;
-      const bool forward_part = p.rotation_shift >= 0 && slot < parts;
+      const bool forward_part = rotation_shift(p) >= 0 && slot < parts;
       const bool inverse_part = early_inverse && slot >= parts && slot < 2 * parts;
       u32 part_bytes = 0, part_offset = 0;
       if (forward_part || inverse_part) {

@@ -104,10 +104,12 @@ class CacheArrays(_Geometry):
     @property
     def plan_key(self) -> tuple:
         """What a backend's attention plan may depend on besides the batch: the
-        format, each tensor's shape, strides and 16-byte alignment, and the device
-        (a batch planned once serves caches of other formats or layouts too)."""
+        format, whether a rotation applies, each tensor's shape, strides and 16-byte
+        alignment, and the device (a batch planned once serves caches of other
+        formats or layouts too)."""
         tensors = (self.key_cache, self.value_cache, self.k_scale_cache, self.v_scale_cache)
-        return (self.kv_dtype, str(self.storage_dtype), self.head_size, repr(self.device),
+        rotated = self.rotation is not None and not self.rotation.is_identity
+        return (self.kv_dtype, str(self.storage_dtype), self.head_size, rotated, repr(self.device),
                 tuple(None if a is None else (tuple(a.shape), tuple(a.strides), _address(a) % 16) for a in tensors))
 
 

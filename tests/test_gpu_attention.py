@@ -315,6 +315,44 @@ def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, mon
     check(f"prefill producer {kv_dtype} d={head_size} {options}", out, expected, np.float32)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(sliding_window=100, softcap=5.0, sinks=True)],
+                         ids=["plain", "window softcap sinks"])
+@pytest.mark.parametrize("rotation", ("none", "blockdiag"))
+@pytest.mark.parametrize("head_size", (128, 80, 64, 32))
+@pytest.mark.parametrize("kv_dtype,model_dtype", [(kv, np.float16) for kv in KV_DTYPES] + [("auto", "bfloat16")])
+def test_prefill_short_prompt_builds(kv_dtype, model_dtype, head_size, rotation, options, monkeypatch):
+    """Short prompts (PREFILL_SHORT_KEYS keys at most) take the build without the
+    producer at PREFILL_SHORT_WARPS warps, PREFILL_SHORT_TILE-token tiles and two
+    blocks a multiprocessor where those fit (not 16-bit rows at d = 128), and
+    caches without a rotation a build without the rotation's code (KVC_ROTATED
+    0); rotated caches take the short build here too (PREFILL_SHORT_ROTATED
+    pinned on). A prompt at the limit, a chunk over cached keys, a short prompt
+    and a decode row in one batch, the query in the cache's dtype (its rows by
+    bulk copies)."""
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the short-prompt builds are wgmma builds: sm_90 GPUs")
+    monkeypatch.setattr(cuda_attention, "PREFILL_SHORT_ROTATED", True)
+    chosen = []   # the builds the planner takes
+    plan_build = cuda_attention._prefill_kernel
+
+    def recorded_build(*args):
+        chosen.append(plan_build(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(cuda_attention, "_prefill_kernel", recorded_build)
+    model_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if model_dtype == "bfloat16" else np.dtype(model_dtype)
+    options = dict(options, sinks=np.zeros(1)) if options.get("sinks") else options   # random logits in run_case
+    longest = cuda_attention.PREFILL_SHORT_KEYS
+    out, expected = run_case(kv_dtype=kv_dtype, head_size=head_size, seq_lens=(longest, 200, 77, 9),
+                             query_lens=(longest, 120, 77, 1), model_dtype=model_dtype, query_dtype=model_dtype,
+                             rotation=rotation, seed=head_size, **options)
+    sixteen_bit_128 = kv_dtype == "auto" and head_size > 96
+    assert chosen and all(not kernel.producer and kernel.rotated == (rotation != "none")
+                          and (kernel.warps == cuda_attention.PREFILL_SHORT_WARPS) != sixteen_bit_128
+                          for kernel in chosen), chosen
+    check(f"prefill short {kv_dtype}/{model_dtype} {rotation} d={head_size} {options}", out, expected, model_dtype)
+
+
 @pytest.mark.parametrize("options", [dict(), dict(sliding_window=700), dict(softcap=5.0), dict(sinks=True)],
                          ids=["plain", "window", "softcap", "sinks"])
 @pytest.mark.parametrize("head_size", (128, 96, 80, 64, 32))

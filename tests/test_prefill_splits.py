@@ -1,6 +1,8 @@
 """The prefill planner's split choice (cuda_attention.choose_prefill_splits) and
 build choice (_prefill_kernel), on the host: no GPU, so it runs in CI."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -45,20 +47,54 @@ def producer_on(monkeypatch):
 
 @pytest.mark.parametrize("kv", QUANTIZED)
 @pytest.mark.parametrize("head_pad", (32, 96, 128))
-def test_long_prompts_take_the_producer_warpgroup(kv, head_pad, producer_on):
+@pytest.mark.parametrize("rotated", (True, False))
+def test_long_prompts_take_the_producer_warpgroup(kv, head_pad, rotated, producer_on):
     """From PREFILL_PRODUCER_MIN_KEYS keys: 12 warps, of which the last warpgroup stages
     and decodes, so a block holds 128 query rows (8 consumer warps of 16)."""
-    kernel = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_PRODUCER_MIN_KEYS)
+    kernel = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_PRODUCER_MIN_KEYS, rotated)
     assert (kernel.wgmma, kernel.producer, kernel.warps, kernel.rows_per_tile) == (True, True, 12, 128)
     assert kernel.defines["KVC_PRODUCER"] == 1
+    assert kernel.rotated and "KVC_ROTATED" not in kernel.defines   # one producer build for either cache
     assert kernel.shared_bytes <= ca.SHARED_BYTES_PER_SM
 
 
 @pytest.mark.parametrize("kv", QUANTIZED)
 def test_shorter_prompts_keep_three_warpgroups_of_rows(kv, producer_on):
-    kernel = ca._prefill_kernel(kv, 128, 16, 90, ca.PREFILL_PRODUCER_MIN_KEYS - 1)
-    assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile) == (True, False, 192)
-    assert "KVC_PRODUCER" not in kernel.defines
+    kernel = ca._prefill_kernel(kv, 128, 16, 90, ca.PREFILL_PRODUCER_MIN_KEYS - 1, True)
+    assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile, kernel.rotated) == (True, False, 192, True)
+    assert "KVC_PRODUCER" not in kernel.defines and "KVC_ROTATED" not in kernel.defines
+
+
+@pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
+@pytest.mark.parametrize("head_pad", (32, 64, 96, 128))
+def test_caches_without_a_rotation_take_a_build_without_its_code(kv, head_pad, producer_on):
+    kernel = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_PRODUCER_MIN_KEYS - 1, False)
+    assert (kernel.producer, kernel.rotated, kernel.defines["KVC_ROTATED"]) == (False, False, 0)
+
+
+@pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
+@pytest.mark.parametrize("head_pad", (32, 64, 96, 128))
+def test_short_prompts_take_the_short_build_where_two_blocks_fit(kv, head_pad, producer_on, monkeypatch):
+    """Up to PREFILL_SHORT_KEYS keys, unrotated: PREFILL_SHORT_WARPS warps and
+    PREFILL_SHORT_TILE-token tiles, PREFILL_SHORT_BLOCKS blocks a multiprocessor,
+    declared in its launch bounds; where they do not fit (16-bit rows at d = 128),
+    the 12-warp build. Rotated caches keep it unless PREFILL_SHORT_ROTATED."""
+    monkeypatch.setattr(ca, "PREFILL_SHORT_ROTATED", False)
+    short = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_SHORT_KEYS, False)
+    longer = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_SHORT_KEYS + 1, False)
+    rotated = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_SHORT_KEYS, True)
+    assert (longer.warps, longer.tile, longer.blocks_per_sm) == (ca.PREFILL_WGMMA_WARPS, ca.PREFILL_TILE, 1)
+    assert (rotated.warps, rotated.tile) == (ca.PREFILL_WGMMA_WARPS, ca.PREFILL_TILE)
+    fits = 2 * replace(short, warps=ca.PREFILL_SHORT_WARPS, tile=ca.PREFILL_SHORT_TILE).shared_bytes <= ca.SHARED_BYTES_PER_SM
+    if fits:
+        assert (short.warps, short.tile, short.blocks_per_sm) == (ca.PREFILL_SHORT_WARPS, ca.PREFILL_SHORT_TILE, 2)
+        assert short.defines["KVC_MIN_BLOCKS"] == 2
+    else:
+        assert short == longer
+    assert fits == (kv not in (ca.KV_F16, ca.KV_BF16) or head_pad < 128)
+    monkeypatch.setattr(ca, "PREFILL_SHORT_ROTATED", True)
+    rotated = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_SHORT_KEYS, True)
+    assert rotated.rotated and (rotated.warps == ca.PREFILL_SHORT_WARPS) == fits
 
 
 @pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
@@ -66,7 +102,7 @@ def test_shorter_prompts_keep_three_warpgroups_of_rows(kv, producer_on):
 def test_the_producer_only_serves_the_wgmma_build(kv, capability, producer_on):
     """GPUs without wgmma take the mma.sync build at any length; on sm_90 every
     KV dtype takes the wgmma build, auto caches too."""
-    kernel = ca._prefill_kernel(kv, 128, 16, capability, 1 << 20)
+    kernel = ca._prefill_kernel(kv, 128, 16, capability, 1 << 20, True)
     wgmma = capability == 90
     assert (kernel.wgmma, kernel.producer) == (wgmma, wgmma)
     if not wgmma:
@@ -76,12 +112,12 @@ def test_the_producer_only_serves_the_wgmma_build(kv, capability, producer_on):
 @pytest.mark.parametrize("kv", (ca.KV_F16, ca.KV_BF16))
 def test_auto_caches_keep_the_mma_sync_build_without_the_switch(kv, monkeypatch):
     monkeypatch.setattr(ca, "PREFILL_WGMMA_AUTO", False)
-    kernel = ca._prefill_kernel(kv, 128, 16, 90, 1 << 20)
+    kernel = ca._prefill_kernel(kv, 128, 16, 90, 1 << 20, True)
     assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile) == (False, False, 16 * kernel.warps)
 
 
 @pytest.mark.parametrize("longest", (128, 1 << 20))
 def test_without_the_switch_no_length_takes_the_producer(longest, monkeypatch):
     monkeypatch.setattr(ca, "PREFILL_PRODUCER", False)
-    kernel = ca._prefill_kernel(ca.KV_INT4, 128, 16, 90, longest)
+    kernel = ca._prefill_kernel(ca.KV_INT4, 128, 16, 90, longest, True)
     assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile) == (True, False, 192)

@@ -20,6 +20,10 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
                 layouts (cuda_attention.PREFILL_SWIZZLE)
   "producer_min_keys": keys a sequence from which the planner takes the producer build
                 (cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
+  "unrotated":  false: caches without a rotation keep the build with its code
+                (cuda_attention.PREFILL_UNROTATED)
+  "short_keys", "short_rotated": the short-prompt build's longest sequence and whether
+                rotated caches take it (cuda_attention.PREFILL_SHORT_KEYS, PREFILL_SHORT_ROTATED)
   "rotation":   the caches' rotation kind (default "none"; the bench's caches use "blockdiag")
   "min_rows":   query rows a sequence (per KV head) from which the planner takes the
                 prefill kernel (cuda_attention.PREFILL_MIN_ROWS; fewer: the decode kernel's row tiles)
@@ -105,7 +109,8 @@ CONSTANT_KEYS = {"split_gain": "PREFILL_SPLIT_GAIN", "min_rows": "PREFILL_MIN_RO
                  "min_blocks": "PREFILL_MIN_BLOCKS", "wgmma": "PREFILL_WGMMA", "producer": "PREFILL_PRODUCER",
                  "direct": "PREFILL_DIRECT", "direct_stages": "PREFILL_DIRECT_STAGES",
                  "direct_f16": "PREFILL_DIRECT_F16", "swizzle": "PREFILL_SWIZZLE",
-                 "producer_min_keys": "PREFILL_PRODUCER_MIN_KEYS"}
+                 "producer_min_keys": "PREFILL_PRODUCER_MIN_KEYS", "unrotated": "PREFILL_UNROTATED",
+                 "short_keys": "PREFILL_SHORT_KEYS", "short_rotated": "PREFILL_SHORT_ROTATED"}
 
 
 def with_variant(variant: dict, run):

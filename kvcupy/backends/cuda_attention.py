@@ -167,6 +167,24 @@ PREFILL_DIRECT_STAGES = 1
 # -> 324.7-333.5, int8 307.8 -> 277-308, fp8 312.9 -> 285-313 by producer
 # registers and batch (docs/gpu-notes.md).
 PREFILL_SWIZZLE = True
+# Short prompts: the build without the producer (the longest sequence below
+# PREFILL_PRODUCER_MIN_KEYS keys) spends a block's time mostly on its query's
+# loads and its output's stores, which overlap only with another block's work.
+# Caches without a rotation take a build without the rotation's code
+# (PREFILL_UNROTATED: its registers spilled 628 bytes at 12 warps, int8 d = 128),
+# and batches whose longest sequence holds at most PREFILL_SHORT_KEYS keys take
+# PREFILL_SHORT_WARPS warps and PREFILL_SHORT_TILE-token tiles at
+# PREFILL_SHORT_BLOCKS blocks a multiprocessor where they fit (int8, d = 128,
+# H200, tools/prefill_variants.py, ms, two rounds: 64 x 128 0.1882 / 0.1888 with
+# the rotation's code and 12 warps, 0.1670 / 0.1665 without it, 0.1332 / 0.1330
+# without it at 8 warps, two blocks a multiprocessor; 16 x 512 0.2892 / 0.2908,
+# 0.2588 / 0.2589 and 0.2677 / 0.2674).
+PREFILL_UNROTATED = True
+PREFILL_SHORT_KEYS = 256
+PREFILL_SHORT_WARPS = 8
+PREFILL_SHORT_TILE = 32
+PREFILL_SHORT_BLOCKS = 2
+PREFILL_SHORT_ROTATED = False   # rotated caches take the short build too
 
 
 @dataclass(frozen=True)
@@ -244,6 +262,8 @@ class PrefillKernel:
     wgmma: bool = False   # warpgroup products (sm_90a only)
     producer: bool = False   # with wgmma: the last warpgroup stages and decodes, the others compute
     direct: bool = False   # with the producer, 16-bit rows: copied into the products' layout, not decoded
+    rotated: bool = True   # False: a build for caches without a rotation (its code left out)
+    min_blocks: int | None = None   # __launch_bounds__ blocks a multiprocessor wanted (None: PREFILL_MIN_BLOCKS)
 
     entry = "prefill_attention"
     kv_heads_per_block = 1
@@ -301,7 +321,8 @@ class PrefillKernel:
 
     @property
     def blocks_per_sm(self) -> int:
-        return max(1, min(PREFILL_MIN_BLOCKS, SHARED_BYTES_PER_SM // self.shared_bytes))
+        wanted = PREFILL_MIN_BLOCKS if self.min_blocks is None else self.min_blocks
+        return max(1, min(wanted, SHARED_BYTES_PER_SM // self.shared_bytes))
 
     @property
     def arch(self) -> str | None:
@@ -319,6 +340,8 @@ class PrefillKernel:
             defines["KVC_DIRECT"] = 1
         if self.swizzled:
             defines["KVC_SWIZZLE"] = 1
+        if not self.rotated:
+            defines["KVC_ROTATED"] = 0
         return {**defines, "KVC_WGMMA": 1} if self.wgmma else defines
 
     @property
@@ -664,8 +687,9 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
     capability = _compute_capability(device)
     kernel = _choose_kernel(cache, kv, max_rows, capability)
     if max_rows >= PREFILL_MIN_ROWS and kernel.head_pad <= PREFILL_MAX_HEAD_PAD:
+        rotated = cache.rotation is not None and not cache.rotation.is_identity
         kernel = _prefill_kernel(kv, kernel.head_pad, _copy_granule(cache, _stored_row_bytes(cache, kv)), capability,
-                                 longest)
+                                 longest, rotated)
     rows_per_tile = kernel.rows_per_tile
     if query_lens is not None:
         row_tiles = -(-query_lens * group // rows_per_tile)
@@ -703,14 +727,38 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
     return Plan(kernel, _upload(tiles, device), len(tiles), splits, split_tokens, head_groups)
 
 
-def _prefill_kernel(kv: int, head_pad: int, chunk: int, capability: int, longest: int) -> PrefillKernel:
-    """The prefill build for a batch whose longest sequence holds `longest` keys: wgmma
-    on sm_90 (16-bit caches with PREFILL_WGMMA_AUTO), with the producer warpgroup
-    (PREFILL_PRODUCER) from PREFILL_PRODUCER_MIN_KEYS keys; mma.sync otherwise."""
+def _prefill_kernel(kv: int, head_pad: int, chunk: int, capability: int, longest: int,
+                    rotated: bool) -> PrefillKernel:
+    """The prefill build for a batch whose longest sequence holds `longest` keys, over a
+    cache with a rotation or not: wgmma on sm_90 (16-bit caches with
+    PREFILL_WGMMA_AUTO), with the producer warpgroup (PREFILL_PRODUCER) from
+    PREFILL_PRODUCER_MIN_KEYS keys; mma.sync otherwise. Without the producer, the
+    build for short prompts where it applies (PREFILL_UNROTATED, PREFILL_SHORT_*)."""
     takes_wgmma = kv in (KV_INT4, KV_INT8, KV_FP8) or PREFILL_WGMMA_AUTO
     wgmma = PREFILL_WGMMA and capability == 90 and takes_wgmma
     producer = PREFILL_PRODUCER and longest >= PREFILL_PRODUCER_MIN_KEYS
-    return PrefillKernel.planned(kv, head_pad, chunk, wgmma, producer=producer)
+    kernel = PrefillKernel.planned(kv, head_pad, chunk, wgmma, producer=producer)
+    if not wgmma or kernel.producer:
+        return kernel
+    if PREFILL_UNROTATED and not rotated:
+        kernel = replace(kernel, rotated=False)
+    if longest <= PREFILL_SHORT_KEYS and (PREFILL_SHORT_ROTATED or not kernel.rotated):
+        short = replace(kernel, warps=PREFILL_SHORT_WARPS, tile=PREFILL_SHORT_TILE, min_blocks=PREFILL_SHORT_BLOCKS)
+        if short.blocks_per_sm >= PREFILL_SHORT_BLOCKS:   # (16-bit rows at d = 128 do not fit twice)
+            kernel = short
+    return kernel
+
+
+def _short_prompt_builds(kv: int, head_pad: int, chunk: int) -> list:
+    """The sm_90 builds without the producer that _prefill_kernel can take (rotated or
+    not, up to PREFILL_SHORT_KEYS keys and beyond), each once."""
+    builds = []
+    for rotated in (True, False):
+        for longest in (PREFILL_SHORT_KEYS, PREFILL_SHORT_KEYS + 1):
+            kernel = _prefill_kernel(kv, head_pad, chunk, 90, min(longest, PREFILL_PRODUCER_MIN_KEYS - 1), rotated)
+            if kernel not in builds:
+                builds.append(kernel)
+    return builds
 
 
 def _fit_tile_to_splits(kernel, split_keys) -> tuple:
@@ -966,7 +1014,7 @@ def specialisations(all: bool) -> list:
                         kernels += settled + [longer for longer in map(_long_tile, settled) if longer not in settled]
                 if head_pad <= PREFILL_MAX_HEAD_PAD:
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, False))
-                    kernels.append(PrefillKernel.planned(kv, head_pad, 16, True))
+                    kernels += _short_prompt_builds(kv, head_pad, 16)
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, True, producer=True))
                     if kv in (KV_F16, KV_BF16):
                         kernels.append(replace(kernels[-1], direct=True))
@@ -987,7 +1035,9 @@ def specialisations(all: bool) -> list:
                    PrefillKernel.planned(KV_INT4, 128, 16, True, producer=True),
                    PrefillKernel.planned(KV_INT8, 96, 4, True, producer=True),
                    PrefillKernel.planned(KV_BF16, 128, 16, True, producer=True),
-                   PrefillKernel.planned(KV_F16, 64, 8, True), PrefillKernel.planned(KV_BF16, 96, 16, True)]
+                   PrefillKernel.planned(KV_F16, 64, 8, True), PrefillKernel.planned(KV_BF16, 96, 16, True),
+                   *_short_prompt_builds(KV_INT4, 128, 16), *_short_prompt_builds(KV_FP8, 96, 4),
+                   *_short_prompt_builds(KV_BF16, 128, 16)]
         # The direct builds: a stager's own piece (d = 128, 16-byte pieces; d = 64, 8-byte), the general loop (d = 96).
         kernels += [replace(PrefillKernel.planned(kv, head_pad, chunk, True, producer=True), direct=True)
                     for kv, head_pad, chunk in ((KV_BF16, 128, 16), (KV_F16, 96, 16), (KV_F16, 64, 8))]
