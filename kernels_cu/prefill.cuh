@@ -86,6 +86,9 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 #ifndef KVC_ROTATED
 #define KVC_ROTATED 1   // 0: no rotation's code at all (Prefill::kRotated; the launcher's PrefillKernel.rotated)
 #endif
+#ifndef KVC_MIN_BLOCKS
+#define KVC_MIN_BLOCKS 1   // the launch bounds' blocks a multiprocessor (attention.cu)
+#endif
 #ifndef KVC_PRODUCER_REGS
 #define KVC_PRODUCER_REGS 56   // the fewest that spill nothing (producer's loop; 40 spilled 16-120 bytes)
 #endif
@@ -135,6 +138,16 @@ struct Prefill {
   // producer (int8 at d = 128: 628 bytes spilled at 12 warps with them, none
   // without; 8 warps at two blocks a multiprocessor, 2792 against 100).
   static constexpr bool kRotated = KVC_ROTATED != 0;
+  // The output's inverse rotation emits each group of four n tiles as soon as it
+  // is done (rotate_rows without ACROSS_GROUPS) where the launch bounds leave 128
+  // registers a thread or fewer: the short-prompt build (8 warps, two blocks a
+  // multiprocessor) spills less so. Builds with more keep the whole rows and emit
+  // after (int4, blockdiag, d = 128, H200, tools/prefill_variants.py, ms, two
+  // rounds, whole / by groups: 8 warps 64 x 128 0.2090 / 0.2091 against 0.2055 /
+  // 0.2051, 32 x 256 0.2496 / 0.2498 against 0.2453 / 0.2454; 12 warps 64 x 128
+  // 0.2215 / 0.2217 against 0.2251 / 0.2246, 32 x 256 0.2537 / 0.2541 against
+  // 0.2577 / 0.2580).
+  static constexpr bool kInverseByGroups = 65536 / (kThreads * KVC_MIN_BLOCKS) <= 128;
   static_assert(!kSwizzled || HEAD_PAD % 32 == 0, "swizzled rows are whole 64-byte columns");
   // bf16 operands: the mma.sync build over bf16 rows read in place, whose P
   // then enters as a two-term split (kSplitP), and DIRECT bf16 rows. Every
@@ -923,10 +936,9 @@ struct Prefill {
     }
     // The fragments in shared memory: staged here, or come with the rows (bulk);
     // without bulk copies, those in 16-dim groups are read where they lie.
-    const int shift = rotation_shift(p);
-    const bool staged_fragments = shift >= 0 && (shift != kGroupShift || staged != nullptr);
+    const bool staged_fragments = rotation_shift(p) >= 0 && (rotation_shift(p) != kGroupShift || staged != nullptr);
     float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), dim 8 n + 2t + i % 2
-    if (shift < 0) {
+    if (rotation_shift(p) < 0) {
       load_query_elements<true>(p, rows, row_valid, p.query_factor, raw);
 #pragma unroll
       for (int n = 0; n < ND; ++n)
@@ -950,9 +962,9 @@ struct Prefill {
     // long blocks keep one copy (its loop shares the registers).
     const bool with_low = p.query_dtype == kDtypeF32;
     if (PRODUCER || with_low)
-      rotate_rows<true, true>(raw, fragments, shift, p.rotation_stages, with_low, p.query_factor, emit);
+      rotate_rows<true, true>(raw, fragments, rotation_shift(p), p.rotation_stages, with_low, p.query_factor, emit);
     else
-      rotate_rows<false, true>(raw, fragments, shift, p.rotation_stages, false, p.query_factor, emit);
+      rotate_rows<false, true>(raw, fragments, rotation_shift(p), p.rotation_stages, false, p.query_factor, emit);
     // Every warp done with the staged fragments: the query rows go there next.
     if (staged_fragments) __syncthreads();
   }
@@ -1016,12 +1028,11 @@ struct Prefill {
           o = weight != 0.f ? o * factor : 0.f / total;
         }
     }
-    const int shift = rotation_shift(p);
-    const bool staged_fragments = shift >= 0 && shift != kGroupShift && !early_inverse;
+    const bool staged_fragments = rotation_shift(p) >= 0 && rotation_shift(p) != kGroupShift && !early_inverse;
     // Every consumer is past its last read of the query rows and of the decoded
     // buffers, which the fragments and the staged rows overwrite.
     if (staged_fragments || bulk_out) consumers_sync();
-    if (shift < 0) {
+    if (rotation_shift(p) < 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         if (!row_valid[r]) continue;
@@ -1045,12 +1056,13 @@ struct Prefill {
       // The inverse rotation: the Sylvester factor across groups first, then the products.
       butterflies_across_groups(out, p.rotation_stages);
       trace_mark(kTraceOutputNormalised);
-      rotate_rows<true, false>(out, fragments, shift, 0, true, p.out_factor, [&](int n, const float (&y)[4]) {
+      auto store_tile = [&](int n, const float (&y)[4]) {   // n tile n of rows g, g + 8
         const int channel = 8 * n + 2 * t;
 #pragma unroll
         for (int r = 0; r < 2; ++r)
           if (row_valid[r] && channel < p.head_size) store_output_pair(p.out_dtype, rows[r], channel, y[2 * r], y[2 * r + 1]);
-      });
+      };
+      rotate_rows<true, !kInverseByGroups>(out, fragments, rotation_shift(p), 0, true, p.out_factor, store_tile);
     }
     if (bulk_out) {
       fence_proxy_async();   // this lane's stores before the copy engine reads them

@@ -116,7 +116,7 @@ def test_auto_caches_keep_the_mma_sync_build_without_the_switch(kv, monkeypatch)
     assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile) == (False, False, 16 * kernel.warps)
 
 
-@pytest.mark.parametrize("longest", (128, 1 << 20))
+@pytest.mark.parametrize("longest", (ca.PREFILL_SHORT_KEYS + 1, 1 << 20))
 def test_without_the_switch_no_length_takes_the_producer(longest, monkeypatch):
     monkeypatch.setattr(ca, "PREFILL_PRODUCER", False)
     kernel = ca._prefill_kernel(ca.KV_INT4, 128, 16, 90, longest, True)

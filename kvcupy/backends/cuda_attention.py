@@ -174,17 +174,25 @@ PREFILL_SWIZZLE = True
 # (PREFILL_UNROTATED: its registers spilled 628 bytes at 12 warps, int8 d = 128),
 # and batches whose longest sequence holds at most PREFILL_SHORT_KEYS keys take
 # PREFILL_SHORT_WARPS warps and PREFILL_SHORT_TILE-token tiles at
-# PREFILL_SHORT_BLOCKS blocks a multiprocessor where they fit (int8, d = 128,
-# H200, tools/prefill_variants.py, ms, two rounds: 64 x 128 0.1882 / 0.1888 with
-# the rotation's code and 12 warps, 0.1670 / 0.1665 without it, 0.1332 / 0.1330
-# without it at 8 warps, two blocks a multiprocessor; 16 x 512 0.2892 / 0.2908,
-# 0.2588 / 0.2589 and 0.2677 / 0.2674).
+# PREFILL_SHORT_BLOCKS blocks a multiprocessor where two fit (not 16-bit rows at
+# d = 128), rotated caches too (PREFILL_SHORT_ROTATED; their build spills 2.7 KB
+# of registers, in the query's rotation, and still gains). H200, d = 128,
+# tools/prefill_variants.py, ms, two rounds in one process, the kernels before
+# (commit ada9a07) against these:
+#   int8, no rotation: 64 x 128 0.1892 / 0.1892 -> 0.1338 / 0.1338; 32 x 256
+#     0.2308 / 0.2318 -> 0.1775 / 0.1777 (12 warps without the rotation's code
+#     0.2061 / 0.2058); 16 x 512 (12 warps) 0.2899 / 0.2911 -> 0.2597 / 0.2602
+#     (8 warps, an earlier run: 0.2677 / 0.2674 against 0.2588 / 0.2589)
+#   fp8, no rotation: 64 x 128 0.1903 / 0.1906 -> 0.1371 / 0.1367; 32 x 256
+#     0.2340 / 0.2337 -> 0.1835 / 0.1839; 16 x 512 0.2932 / 0.2936 -> 0.2608 / 0.2617
+#   int4, blockdiag: 64 x 128 0.2225 / 0.2229 -> 0.2059 / 0.2061; 32 x 256
+#     0.2543 / 0.2549 -> 0.2453 / 0.2454
 PREFILL_UNROTATED = True
 PREFILL_SHORT_KEYS = 256
 PREFILL_SHORT_WARPS = 8
 PREFILL_SHORT_TILE = 32
 PREFILL_SHORT_BLOCKS = 2
-PREFILL_SHORT_ROTATED = False   # rotated caches take the short build too
+PREFILL_SHORT_ROTATED = True   # rotated caches take the short build too
 
 
 @dataclass(frozen=True)
