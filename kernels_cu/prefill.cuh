@@ -135,7 +135,7 @@ struct Prefill {
   static constexpr bool kSwizzled = kSwizzleBytes != 0;
   // Builds for caches without a rotation (KVC_ROTATED 0) leave the query's and
   // the output's rotation out: their registers bound the build without the
-  // producer (int8 at d = 128: 628 bytes spilled at 12 warps with them, none
+  // producer (int8 at d = 128: 676 bytes spilled at 12 warps with them, none
   // without; 8 warps at two blocks a multiprocessor, 2792 against 100).
   static constexpr bool kRotated = KVC_ROTATED != 0;
   // The output's inverse rotation emits each group of four n tiles as soon as it

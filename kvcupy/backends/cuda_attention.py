@@ -171,7 +171,8 @@ PREFILL_SWIZZLE = True
 # PREFILL_PRODUCER_MIN_KEYS keys) spends a block's time mostly on its query's
 # loads and its output's stores, which overlap only with another block's work.
 # Caches without a rotation take a build without the rotation's code
-# (PREFILL_UNROTATED: its registers spilled 628 bytes at 12 warps, int8 d = 128),
+# (PREFILL_UNROTATED: with that code its registers spilled 676 bytes at 12
+# warps, int8 d = 128; without it none),
 # and batches whose longest sequence holds at most PREFILL_SHORT_KEYS keys take
 # PREFILL_SHORT_WARPS warps and PREFILL_SHORT_TILE-token tiles at
 # PREFILL_SHORT_BLOCKS blocks a multiprocessor where two fit (not 16-bit rows at
