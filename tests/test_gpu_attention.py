@@ -167,6 +167,19 @@ def run_case(*, kv_dtype="int4_per_token_head", head_size=128, block_size=16, nu
     return from_device(result, np.dtype(query_dtype)), expected
 
 
+def recorded_prefill_builds(monkeypatch) -> list:
+    """The prefill builds the planner takes from now on (cuda_attention._prefill_kernel), in order."""
+    chosen = []
+    plan_build = cuda_attention._prefill_kernel
+
+    def recorded_build(*args):
+        chosen.append(plan_build(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(cuda_attention, "_prefill_kernel", recorded_build)
+    return chosen
+
+
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 256)
 KV_DTYPES = ("int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "auto")
 
@@ -300,14 +313,7 @@ def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, mon
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the producer build is a wgmma build: sm_90 GPUs")
     monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", True)
-    chosen = []   # the builds the planner takes
-    plan_build = cuda_attention._prefill_kernel
-
-    def recorded_build(*args):
-        chosen.append(plan_build(*args))
-        return chosen[-1]
-
-    monkeypatch.setattr(cuda_attention, "_prefill_kernel", recorded_build)
+    chosen = recorded_prefill_builds(monkeypatch)
     options = dict(options, sinks=np.zeros(1)) if options.get("sinks") else options   # random logits in run_case
     out, expected = run_case(kv_dtype=kv_dtype, head_size=head_size, seq_lens=(6000, 700), query_lens=(256, 700),
                              rotation="blockdiag", seed=head_size, **options)
@@ -332,14 +338,7 @@ def test_prefill_short_prompt_builds(kv_dtype, model_dtype, head_size, rotation,
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the short-prompt builds are wgmma builds: sm_90 GPUs")
     monkeypatch.setattr(cuda_attention, "PREFILL_SHORT_ROTATED", True)
-    chosen = []   # the builds the planner takes
-    plan_build = cuda_attention._prefill_kernel
-
-    def recorded_build(*args):
-        chosen.append(plan_build(*args))
-        return chosen[-1]
-
-    monkeypatch.setattr(cuda_attention, "_prefill_kernel", recorded_build)
+    chosen = recorded_prefill_builds(monkeypatch)
     model_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if model_dtype == "bfloat16" else np.dtype(model_dtype)
     options = dict(options, sinks=np.zeros(1)) if options.get("sinks") else options   # random logits in run_case
     longest = cuda_attention.PREFILL_SHORT_KEYS

@@ -172,8 +172,8 @@ PREFILL_SWIZZLE = True
 # loads and its output's stores, which overlap only with another block's work.
 # Caches without a rotation take a build without the rotation's code
 # (PREFILL_UNROTATED: with that code its registers spilled 676 bytes at 12
-# warps, int8 d = 128; without it none),
-# and batches whose longest sequence holds at most PREFILL_SHORT_KEYS keys take
+# warps, int8 d = 128; without it none), and batches whose longest sequence
+# holds at most PREFILL_SHORT_KEYS keys take
 # PREFILL_SHORT_WARPS warps and PREFILL_SHORT_TILE-token tiles at
 # PREFILL_SHORT_BLOCKS blocks a multiprocessor where two fit (not 16-bit rows at
 # d = 128), rotated caches too (PREFILL_SHORT_ROTATED; their build spills 2.7 KB
