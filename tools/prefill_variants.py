@@ -8,7 +8,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
                 under an fp16 query)
   "src":        a folder of kernel sources to compile instead of kernels_cu/ (KVCUPY_KERNEL_DIR)
   "tile", "warps", "min_blocks": the prefill kernel's tokens a tile, warps a block and
-                __launch_bounds__ minimum blocks, forced (cuda_attention.PREFILL_*)
+                __launch_bounds__ minimum blocks, forced (cuda_attention.PREFILL_*; not the
+                short-prompt build's, which "short_keys": 0 turns off)
   "defines":    extra -D defines
   "wgmma":      false: the mma.sync build on sm_90 too (cuda_attention.PREFILL_WGMMA)
   "producer":   the wgmma build with or without its producer warpgroup (cuda_attention.PREFILL_PRODUCER)

@@ -1,0 +1,94 @@
+"""Which builds' machine code two kernel source folders compile to differently.
+
+    PYTHONPATH=. python3 tools/cubin_text.py OLD_DIR [NEW_DIR] [--arch sm_90] [--all]
+
+Compiles the specialisations `kvcupy check` compiles (its sample; --all: every one)
+from each folder (KVCUPY_KERNEL_DIR; NEW_DIR defaults to kernels_cu/) with this
+machine's NVRTC, no GPU needed, and compares the cubins' .text sections: the
+instructions. The rest of a cubin differs between sources whose code is the same
+(its sidecar records, symbol tables), so whole-file hashes say nothing. A
+refactor that should not change a kernel shows `same` for every build; sources
+that do not build under one folder show `new` or `gone`. (Run `git archive REV
+kernels_cu | tar -x -C DIR` to get a commit's sources into DIR/kernels_cu.) The
+builds are the ones this checkout's launcher lists: a define the old sources do not
+know is ignored there, so a build that is new in this checkout compares with
+whatever the old sources make of its defines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import struct
+from pathlib import Path
+
+from kvcupy import jit
+from kvcupy.backends import cuda_specs
+
+SECTION_HEADER = struct.Struct("<IIQQQQ")   # ELF64: name, type, flags, address, offset, size
+
+
+def text_sections(cubin: bytes) -> dict[str, str]:
+    """sha256 (12 digits) of each .text section of an ELF64 cubin, by section name."""
+    header_offset, = struct.unpack_from("<Q", cubin, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [SECTION_HEADER.unpack_from(cubin, header_offset + i * entry_size) for i in range(count)]
+    names_at = sections[names_index][4]
+    found = {}
+    for name, _, _, _, offset, size in sections:
+        label = cubin[names_at + name: cubin.index(b"\0", names_at + name)].decode()
+        if label.startswith(".text"):
+            found[label] = hashlib.sha256(cubin[offset: offset + size]).hexdigest()[:12]
+    return found
+
+
+def compiled_code(folder: str, specs, arch: str) -> dict[str, dict | str]:
+    """Per specialisation (entry and defines), its .text hashes or why it did not build."""
+    saved = os.environ.get(jit.SOURCE_DIR_ENV)
+    os.environ[jit.SOURCE_DIR_ENV] = folder
+    code = {}
+    try:
+        for spec in specs:
+            target = spec.target(arch)
+            if target is None:
+                continue
+            key = f"{spec.entry} {target} {jit.define_flags(spec.defines)}"
+            try:
+                result = jit.compile_entry(spec.entry, spec.defines, target)
+                code[key] = text_sections(Path(result.path).read_bytes())
+            except jit.CompileError as error:
+                code[key] = f"does not build: {str(error).splitlines()[0]}"
+    finally:
+        if saved is None:
+            os.environ.pop(jit.SOURCE_DIR_ENV, None)
+        else:
+            os.environ[jit.SOURCE_DIR_ENV] = saved
+    return code
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("old")
+    parser.add_argument("new", nargs="?", default=str(jit.source_dir()))
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--all", action="store_true")
+    options = parser.parse_args()
+    specs = cuda_specs.specialisations(all=options.all)
+    old, new = (compiled_code(folder, specs, options.arch) for folder in (options.old, options.new))
+    for key in sorted(old.keys() | new.keys()):
+        before, after = old.get(key), new.get(key)
+        if before is None or after is None:
+            verdict = "new" if before is None else "gone"
+        elif isinstance(before, str) or isinstance(after, str):
+            verdict = "unbuilt"   # (a source that does not compile here: its error, below)
+        else:
+            verdict = "same" if before == after else "differs"
+        print(f"{verdict:8} {key}")
+        for side in (before, after):
+            if isinstance(side, str):
+                print(f"         {side}")
+
+
+if __name__ == "__main__":
+    main()
