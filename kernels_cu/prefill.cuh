@@ -138,6 +138,16 @@ struct Prefill {
   // producer (int8 at d = 128: 676 bytes spilled at 12 warps with them, none
   // without; 8 warps at two blocks a multiprocessor, 2792 against 100).
   static constexpr bool kRotated = KVC_ROTATED != 0;
+  // The output's inverse rotation emits each group of four n tiles as soon as it
+  // is done (rotate_rows without ACROSS_GROUPS) where the launch bounds leave 128
+  // registers a thread or fewer: the short-prompt build (8 warps, two blocks a
+  // multiprocessor) spills less so. Builds with more keep the whole rows and emit
+  // after (int4, blockdiag, d = 128, H200, tools/prefill_variants.py, ms, two
+  // rounds, whole / by groups: 8 warps 64 x 128 0.2090 / 0.2091 against 0.2055 /
+  // 0.2051, 32 x 256 0.2496 / 0.2498 against 0.2453 / 0.2454; 12 warps 64 x 128
+  // 0.2215 / 0.2217 against 0.2251 / 0.2246, 32 x 256 0.2537 / 0.2541 against
+  // 0.2577 / 0.2580).
+  static constexpr bool kInverseByGroups = 65536 / (kThreads * KVC_MIN_BLOCKS) <= 128;
   static_assert(!kSwizzled || HEAD_PAD % 32 == 0, "swizzled rows are whole 64-byte columns");
   // bf16 operands: the mma.sync build over bf16 rows read in place, whose P
   // then enters as a two-term split (kSplitP), and DIRECT bf16 rows. Every
@@ -190,22 +200,11 @@ struct Prefill {
   static constexpr int kQueryBarrierOffset = kBarrierOffset + (PRODUCER ? 2 * 8 * kDecodedBuffers : 0);
   static constexpr int kBarrierBytes = kQueryBarrierOffset - kBarrierOffset + (WGMMA ? 16 : 0);
   static constexpr int kSharedBytes = kBarrierOffset + kBarrierBytes;
-  // Registers a thread: the launch bounds' (168 at 12 warps and one block a
-  // multiprocessor, 128 at 8 warps and two); with setmaxnreg, the producer's
-  // given to the consumers.
-  static constexpr int kLaunchRegs = (65536 / (kThreads * KVC_MIN_BLOCKS)) & ~7;
+  // Registers a thread (setmaxnreg): the launch bounds' 168 at 12 warps, the
+  // producer's given to the consumers.
+  static constexpr int kLaunchRegs = (65536 / kThreads) & ~7;
   static constexpr int kProducerRegs = KVC_PRODUCER_REGS;
   static constexpr int kConsumerRegs = ((kLaunchRegs * kThreads - kProducerRegs * 128) / kConsumerThreads) & ~7;
-  // The output's inverse rotation emits each group of four n tiles as soon as it
-  // is done (rotate_rows without ACROSS_GROUPS) where the launch bounds leave 128
-  // registers a thread or fewer: the short-prompt build (8 warps, two blocks a
-  // multiprocessor) spills less so. Builds with more keep the whole rows and emit
-  // after (int4, blockdiag, d = 128, H200, tools/prefill_variants.py, ms, two
-  // rounds, whole / by groups: 8 warps 64 x 128 0.2090 / 0.2091 against 0.2055 /
-  // 0.2051, 32 x 256 0.2496 / 0.2498 against 0.2453 / 0.2454; 12 warps 64 x 128
-  // 0.2215 / 0.2217 against 0.2251 / 0.2246, 32 x 256 0.2537 / 0.2541 against
-  // 0.2577 / 0.2580).
-  static constexpr bool kInverseByGroups = kLaunchRegs <= 128;
   // fp8 codes enter the products as e4m3 x 2^-8 (bit moves): the scales carry
   // the 2^8. sm_89 and newer convert e4m3 pairs to fp16 in one instruction, the
   // codes' own values (exact in fp16): their scales carry no 2^8. (int8 and fp8
@@ -756,10 +755,8 @@ struct Prefill {
   // or the factor beside the butterflies across groups (the host's rotation_stages).
   // Those few fragments are read from global memory (L1) where they lie.
   static constexpr int kGroupShift = 4;
-  // The host's rotation_shift (-1: none), as this build applies it. Applied at
-  // each use, by value: a local holding it, or a helper taking the parameters
-  // by reference, changed the other builds' code (docs/gpu-notes.md).
-  static __device__ __forceinline__ int applied_shift(int host_shift) { return kRotated ? host_shift : -1; }
+  // The host's rotation_shift (-1: none), as this build applies it.
+  static __device__ __forceinline__ int rotation_shift(const Params& p) { return kRotated ? p.rotation_shift : -1; }
 
   // The rotation's fragments (cuda_attention.rotation_fragments: [KC][ND][32
   // lanes] x 8 bytes, HEAD_PAD^2 x 2 bytes in all) into shared memory at `to`,
@@ -939,10 +936,9 @@ struct Prefill {
     }
     // The fragments in shared memory: staged here, or come with the rows (bulk);
     // without bulk copies, those in 16-dim groups are read where they lie.
-    const bool staged_fragments = applied_shift(p.rotation_shift) >= 0 &&
-                                  (applied_shift(p.rotation_shift) != kGroupShift || staged != nullptr);
+    const bool staged_fragments = rotation_shift(p) >= 0 && (rotation_shift(p) != kGroupShift || staged != nullptr);
     float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), dim 8 n + 2t + i % 2
-    if (applied_shift(p.rotation_shift) < 0) {
+    if (rotation_shift(p) < 0) {
       load_query_elements<true>(p, rows, row_valid, p.query_factor, raw);
 #pragma unroll
       for (int n = 0; n < ND; ++n)
@@ -966,11 +962,9 @@ struct Prefill {
     // long blocks keep one copy (its loop shares the registers).
     const bool with_low = p.query_dtype == kDtypeF32;
     if (PRODUCER || with_low)
-      rotate_rows<true, true>(raw, fragments, applied_shift(p.rotation_shift), p.rotation_stages, with_low,
-                              p.query_factor, emit);
+      rotate_rows<true, true>(raw, fragments, rotation_shift(p), p.rotation_stages, with_low, p.query_factor, emit);
     else
-      rotate_rows<false, true>(raw, fragments, applied_shift(p.rotation_shift), p.rotation_stages, false,
-                               p.query_factor, emit);
+      rotate_rows<false, true>(raw, fragments, rotation_shift(p), p.rotation_stages, false, p.query_factor, emit);
     // Every warp done with the staged fragments: the query rows go there next.
     if (staged_fragments) __syncthreads();
   }
@@ -1034,12 +1028,11 @@ struct Prefill {
           o = weight != 0.f ? o * factor : 0.f / total;
         }
     }
-    const bool staged_fragments =
-        applied_shift(p.rotation_shift) >= 0 && applied_shift(p.rotation_shift) != kGroupShift && !early_inverse;
+    const bool staged_fragments = rotation_shift(p) >= 0 && rotation_shift(p) != kGroupShift && !early_inverse;
     // Every consumer is past its last read of the query rows and of the decoded
     // buffers, which the fragments and the staged rows overwrite.
     if (staged_fragments || bulk_out) consumers_sync();
-    if (applied_shift(p.rotation_shift) < 0) {
+    if (rotation_shift(p) < 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         if (!row_valid[r]) continue;
@@ -1069,8 +1062,7 @@ struct Prefill {
         for (int r = 0; r < 2; ++r)
           if (row_valid[r] && channel < p.head_size) store_output_pair(p.out_dtype, rows[r], channel, y[2 * r], y[2 * r + 1]);
       };
-      rotate_rows<true, !kInverseByGroups>(out, fragments, applied_shift(p.rotation_shift), 0, true, p.out_factor,
-                                           store_tile);
+      rotate_rows<true, !kInverseByGroups>(out, fragments, rotation_shift(p), 0, true, p.out_factor, store_tile);
     }
     if (bulk_out) {
       fence_proxy_async();   // this lane's stores before the copy engine reads them
@@ -1249,7 +1241,7 @@ struct Prefill {
     const bool bulk_out =
         p.direct && bulk_rows(p.out, p.out_token_stride, p.out_head_stride, p.out_dtype, p.head_size);
     const bool early_inverse =
-        kEarlyInverse && bulk_query && p.direct && applied_shift(p.rotation_shift) >= 0 && num_tiles < kDecodedBuffers;
+        kEarlyInverse && bulk_query && p.direct && rotation_shift(p) >= 0 && num_tiles < kDecodedBuffers;
     if constexpr (PRODUCER) {
       if (threadIdx.x < kDecodedBuffers) {
         mbarrier_init(full + 8 * threadIdx.x, kStagers);
@@ -1266,9 +1258,9 @@ struct Prefill {
       // in 16-dim groups only the runs that hold nonzeros (k step ks: n tiles
       // 2 ks and 2 ks + 1, 512 bytes), by the last KC threads (the inverse's:
       // the KC before them).
-      const int parts = applied_shift(p.rotation_shift) == kGroupShift ? KC : 1;
+      const int parts = rotation_shift(p) == kGroupShift ? KC : 1;
       const int slot = kThreads - 1 - threadIdx.x;
-      const bool forward_part = applied_shift(p.rotation_shift) >= 0 && slot < parts;
+      const bool forward_part = rotation_shift(p) >= 0 && slot < parts;
       const bool inverse_part = early_inverse && slot >= parts && slot < 2 * parts;
       u32 part_bytes = 0, part_offset = 0;
       if (forward_part || inverse_part) {
