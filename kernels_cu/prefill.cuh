@@ -377,13 +377,34 @@ struct Prefill {
     }
   }
 
+  // Trims of a block's bookkeeping (row_token's unsigned division, the output's
+  // channel pairs, write_output's selects skipped where no row needs them),
+  // taken by quantized caches' builds only. In the 12-warp build over 16-bit
+  // rows (150-190 bytes spilled) the three measured 8% slower together at 64 x
+  // 128 (bf16, 0.177 -> 0.192 ms), though reverting any one of them alone was
+  // slower still (0.193-0.204 ms; H200, tools/prefill_variants.py, one run):
+  // that build's register allocation, not its instructions.
+  static constexpr bool kTrimmed = kQuantized;
+
+  // A query row's token and head within its KV head's group: row / group and
+  // row % group, unsigned (rows are never negative: no sign fix-ups around the
+  // divisions, which a short prompt's block runs a dozen times a thread).
+  static __device__ __forceinline__ int row_token(const Params& p, int row) {
+    if constexpr (kTrimmed) return static_cast<int>(static_cast<u32>(row) / static_cast<u32>(p.group));
+    return row / p.group;
+  }
+  static __device__ __forceinline__ int row_head(const Params& p, int row) {
+    if constexpr (kTrimmed) return static_cast<int>(static_cast<u32>(row) % static_cast<u32>(p.group));
+    return row % p.group;
+  }
+
   // Element offset of block row `row` in the query or the output (token_stride,
   // head_stride: its element strides): token q_begin + row / group, query head
   // kv_head x group + row % group.
   static __device__ __forceinline__ long long row_offset(const Params& p, int q_begin, int row, int kv_head,
                                                          long long token_stride, long long head_stride) {
-    return (q_begin + row / p.group) * token_stride +
-           static_cast<long long>(kv_head * p.group + row % p.group) * head_stride;
+    return (q_begin + row_token(p, row)) * token_stride +
+           static_cast<long long>(kv_head * p.group + row_head(p, row)) * head_stride;
   }
 
   // Byte offset of dim `dim` of token `token` in a wgmma build's decoded K or V rows.
@@ -969,6 +990,74 @@ struct Prefill {
     if (staged_fragments) __syncthreads();
   }
 
+  // Quantized caches' builds without a rotation or producer (kDirectQuery), bulk
+  // rows: this warp's 16 staged query rows into the products' core matrices, as
+  // they are for an fp16 query, bf16 ones times the power of two that brings the
+  // row's largest |q| near 2^14 (exact: bf16's 8 bits fit fp16's 11, but for
+  // values 2^24 below that largest, as in load_query's path); the softmax scale
+  // goes into row_unscale (a float32 product on the scores instead of an fp16
+  // rounding of q x scale). Lane (g, t) moves the 16-byte pieces t, t + 4, .. of
+  // rows g and g + 8, whole (int4's with their pairs in the cache's order,
+  // channel_of): nothing else mixes dims, so any split of a row serves. Pieces
+  // past head_size (whole pieces: bulk rows' head sizes are multiples of 8) and
+  // rows past the last are zeros. (64 x 128, int8, d = 128, H200: load_query's
+  // path took about 600 of a warp's 3650 instructions a block by ncu's counts.)
+  // 16-bit rows keep load_query's path: with this one and kTrimmed's trims their
+  // 12-warp build measured 0.179 -> 0.196 ms at 64 x 128 (bf16).
+  static constexpr bool kDirectQuery = WGMMA && !PRODUCER && !kRotated && kQuantized;
+  static __device__ __forceinline__ void direct_query(const Params& p, const u8* staged, u8* query_rows,
+                                                      const bool (&row_valid)[2], float (&row_unscale)[2]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    constexpr int kMine = HEAD_PAD / 32;   // pieces of 8 dims a lane and row
+    const bool bf16 = p.query_dtype == kDtypeBf16;
+    uint4 pieces[2][kMine];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int j = 0; j < kMine; ++j) {
+        const int piece = t + 4 * j;
+        const u8* source = staged + (16 * warp + g + 8 * r) * kDecodedStride + 16 * piece;
+        uint4 x = row_valid[r] && 8 * piece < p.head_size ? *reinterpret_cast<const uint4*>(source)
+                                                           : make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (KV == KV_INT4)   // logical pairs (0, 1), (2, 3), .. hold channels (0, 4), (1, 5), ..
+          x = make_uint4(__byte_perm(x.x, x.z, 0x5410), __byte_perm(x.x, x.z, 0x7632), __byte_perm(x.y, x.w, 0x5410),
+                         __byte_perm(x.y, x.w, 0x7632));
+        pieces[r][j] = x;
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float up = 1.f;
+      if (bf16) {
+        // |q| orders as its bits less the sign (NaN and inf above every finite value).
+        u32 largest = 0u;
+#pragma unroll
+        for (int j = 0; j < kMine; ++j) {
+          largest = __vmaxu2(largest, pieces[r][j].x & 0x7fff7fffu);
+          largest = __vmaxu2(largest, pieces[r][j].y & 0x7fff7fffu);
+          largest = __vmaxu2(largest, pieces[r][j].z & 0x7fff7fffu);
+          largest = __vmaxu2(largest, pieces[r][j].w & 0x7fff7fffu);
+        }
+        largest = max(largest & 0xffffu, largest >> 16);
+        largest = max(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
+        largest = max(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
+        up = fp16_range_scale(__uint_as_float(largest << 16));
+        auto scaled = [&](u32 pair) {
+          return pack_half2(__uint_as_float(pair << 16) * up, __uint_as_float(pair & 0xffff0000u) * up);
+        };
+#pragma unroll
+        for (int j = 0; j < kMine; ++j) {
+          uint4& x = pieces[r][j];
+          x = make_uint4(scaled(x.x), scaled(x.y), scaled(x.z), scaled(x.w));
+        }
+      }
+      row_unscale[r] = p.query_factor / up;
+#pragma unroll
+      for (int j = 0; j < kMine; ++j)
+        *reinterpret_cast<uint4*>(query_rows + kvc_wgmma::core_offset(16 * (warp & 3) + g + 8 * r, 8 * (t + 4 * j),
+                                                                      HEAD_PAD)) = pieces[r][j];
+    }
+  }
+
   // A barrier of the warps with query rows (every warp without a producer).
   static __device__ __forceinline__ void consumers_sync() {
     if constexpr (PRODUCER) asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
@@ -1003,10 +1092,11 @@ struct Prefill {
     const int element_bytes = p.out_dtype == kDtypeF32 ? 4 : 2;
     u8* const staged = decoded + 16 * (threadIdx.x >> 5) * kDecodedStride;   // bulk_out: this warp's 16 rows
     u8* rows[2];
+    float weights[2], factors[2], totals[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = row_begin + (lane >> 2) + 8 * r;
-      const int head = kv_head * p.group + row % p.group;
+      const int head = kv_head * p.group + row_head(p, row);
       const long long start =
           row_valid[r] ? row_offset(p, q_begin, row, kv_head, p.out_token_stride, p.out_head_stride) : 0;
       rows[r] = bulk_out ? staged + ((lane >> 2) + 8 * r) * kDecodedStride
@@ -1018,15 +1108,38 @@ struct Prefill {
       const float shift = peak == -KVC_INFINITY ? 0.f : peak;
       const float weight = expf(m - shift);
       const float total = sum * weight + (p.sinks != nullptr ? expf(sink - shift) : 0.f);
-      // A row that saw nothing (weight 0) adds nothing, whatever its accumulators hold.
+      // A row that saw nothing (weight 0) adds nothing, whatever its accumulators
+      // hold: a select a value (kTrimmed: below, left out where every row of
+      // the warp saw something).
       const float factor = reference * weight / total;
+      weights[r] = weight;
+      totals[r] = total;
+      factors[r] = factor;
+      if constexpr (!kTrimmed) {
 #pragma unroll
-      for (int n = 0; n < ND; ++n)
+        for (int n = 0; n < ND; ++n)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          float& o = out[n][2 * r + j];
-          o = weight != 0.f ? o * factor : 0.f / total;
-        }
+          for (int j = 0; j < 2; ++j) {
+            float& o = out[n][2 * r + j];
+            o = weight != 0.f ? o * factor : 0.f / total;
+          }
+      }
+    }
+    if constexpr (kTrimmed) {
+      if (__all_sync(0xffffffffu, weights[0] != 0.f && weights[1] != 0.f)) {
+#pragma unroll
+        for (int n = 0; n < ND; ++n)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) out[n][i] *= factors[i >> 1];
+      } else {
+#pragma unroll
+        for (int n = 0; n < ND; ++n)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int r = i >> 1;
+            out[n][i] = weights[r] != 0.f ? out[n][i] * factors[r] : 0.f / totals[r];
+          }
+      }
     }
     const bool staged_fragments = rotation_shift(p) >= 0 && rotation_shift(p) != kGroupShift && !early_inverse;
     // Every consumer is past its last read of the query rows and of the decoded
@@ -1037,12 +1150,19 @@ struct Prefill {
       for (int r = 0; r < 2; ++r) {
         if (!row_valid[r]) continue;
 #pragma unroll
-        for (int n = 0; n < ND; ++n)
+        for (int n = 0; n < ND; ++n) {
+          if constexpr (KV != KV_INT4 && kTrimmed) {   // the channels in place: a pair a store (even head sizes)
+            const int channel = 8 * n + 2 * t;
+            if (channel < p.head_size)
+              store_output_pair(p.out_dtype, rows[r], channel, out[n][2 * r], out[n][2 * r + 1]);
+          } else {
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int channel = channel_of(8 * n + 2 * t + j);
-            if (channel < p.head_size) store_output(p.out_dtype, rows[r], channel, out[n][2 * r + j]);
+            for (int j = 0; j < 2; ++j) {
+              const int channel = channel_of(8 * n + 2 * t + j);
+              if (channel < p.head_size) store_output(p.out_dtype, rows[r], channel, out[n][2 * r + j]);
+            }
           }
+        }
       }
     } else {
       const u8* fragments = reinterpret_cast<const u8*>(p.rotation_inv);
@@ -1186,8 +1306,8 @@ struct Prefill {
       return;
     const int context = seq_len - q_len;
     const int block_last_row = min(block_row_begin + kRows, total_rows) - 1;
-    const int first_position = context + block_row_begin / p.group;
-    const int last_position = context + block_last_row / p.group;
+    const int first_position = context + row_token(p, block_row_begin);
+    const int last_position = context + row_token(p, block_last_row);
     const int key_lo = max(p.window ? first_position - p.window + 1 : 0, split * p.split_tokens);
     const int key_hi = min(last_position + 1, (split + 1) * p.split_tokens);
     const int* table = p.block_table + static_cast<long long>(seq) * p.table_width;
@@ -1200,7 +1320,7 @@ struct Prefill {
     for (int r = 0; r < 2; ++r) {
       const int row = row_begin + g + 8 * r;
       row_valid[r] = !producer && row < total_rows;
-      row_position[r] = context + row / p.group;
+      row_position[r] = context + row_token(p, row);
     }
     int min_position = row_valid[0] ? row_position[0] : 0x7fffffff;
     int max_position = row_valid[1] ? row_position[1] : row_valid[0] ? row_position[0] : -1;
@@ -1211,8 +1331,8 @@ struct Prefill {
     if constexpr (WGMMA) {   // a warpgroup's products are one instruction: it skips tiles as a whole
       const int group_begin = block_row_begin + 64 * (warp >> 2);
       const int group_last = min(group_begin + 64, total_rows) - 1;
-      min_position = context + group_begin / p.group;
-      max_position = group_last >= group_begin ? context + group_last / p.group : -1;
+      min_position = context + row_token(p, group_begin);
+      max_position = group_last >= group_begin ? context + row_token(p, group_last) : -1;
     }
 
     // The first tiles' copies go out before the query is read: the two
@@ -1307,7 +1427,13 @@ struct Prefill {
     // high parts as the warp's A fragments, register 2h + r of k step kc holding
     // row g + 8r, dims 16 kc + 8h + 2t (+1), so shared memory serves only K and V.
     u32 query_fragments[PRODUCER ? KC : 1][4];
-    {
+    if (kDirectQuery && bulk_query) {
+      mbarrier_wait(query_barrier, 0);
+      trace_mark(kTraceQueryRotated);
+      direct_query(p, decoded, query_rows, row_valid, row_unscale);
+      fence_proxy_async();   // read by wgmma after the loop's first barrier
+      __syncwarp();
+    } else {
       float values[KC][2][2][2];   // [kc][h][r][j]
       load_query(p, q_begin, row_begin, kv_head, row_valid, query_area, bulk_query ? decoded : nullptr, query_barrier,
                  values);

@@ -325,7 +325,8 @@ def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, mon
                          ids=["plain", "window softcap sinks"])
 @pytest.mark.parametrize("rotation", ("none", "blockdiag"))
 @pytest.mark.parametrize("head_size", (128, 80, 64, 32))
-@pytest.mark.parametrize("kv_dtype,model_dtype", [(kv, np.float16) for kv in KV_DTYPES] + [("auto", "bfloat16")])
+@pytest.mark.parametrize("kv_dtype,model_dtype", [(kv, np.float16) for kv in KV_DTYPES]
+                         + [("auto", "bfloat16"), ("int8_per_token_head", "bfloat16")])
 def test_prefill_short_prompt_builds(kv_dtype, model_dtype, head_size, rotation, options, monkeypatch):
     """Short prompts (PREFILL_SHORT_KEYS keys at most) take the build without the
     producer at PREFILL_SHORT_WARPS warps, PREFILL_SHORT_TILE-token tiles and two
@@ -334,7 +335,8 @@ def test_prefill_short_prompt_builds(kv_dtype, model_dtype, head_size, rotation,
     0); rotated caches take the short build here too (PREFILL_SHORT_ROTATED
     pinned on). A prompt at the limit, a chunk over cached keys, a short prompt
     and a decode row in one batch, the query in the cache's dtype (its rows by
-    bulk copies)."""
+    bulk copies; without a rotation, quantized caches take them straight into
+    the products' layout: prefill.cuh's direct_query, a bf16 query scaled there)."""
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the short-prompt builds are wgmma builds: sm_90 GPUs")
     monkeypatch.setattr(cuda_attention, "PREFILL_SHORT_ROTATED", True)

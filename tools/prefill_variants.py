@@ -25,6 +25,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
                 (cuda_attention.PREFILL_UNROTATED)
   "short_keys", "short_rotated": the short-prompt build's longest sequence and whether
                 rotated caches take it (cuda_attention.PREFILL_SHORT_KEYS, PREFILL_SHORT_ROTATED)
+  "short_warps", "short_tile", "short_blocks": the short-prompt build's warps, tile and
+                blocks a multiprocessor (cuda_attention.PREFILL_SHORT_WARPS, _TILE, _BLOCKS)
   "rotation":   the caches' rotation kind (default "none"; the bench's caches use "blockdiag")
   "min_rows":   query rows a sequence (per KV head) from which the planner takes the
                 prefill kernel (cuda_attention.PREFILL_MIN_ROWS; fewer: the decode kernel's row tiles)
@@ -111,7 +113,9 @@ CONSTANT_KEYS = {"split_gain": "PREFILL_SPLIT_GAIN", "min_rows": "PREFILL_MIN_RO
                  "direct": "PREFILL_DIRECT", "direct_stages": "PREFILL_DIRECT_STAGES",
                  "direct_f16": "PREFILL_DIRECT_F16", "swizzle": "PREFILL_SWIZZLE",
                  "producer_min_keys": "PREFILL_PRODUCER_MIN_KEYS", "unrotated": "PREFILL_UNROTATED",
-                 "short_keys": "PREFILL_SHORT_KEYS", "short_rotated": "PREFILL_SHORT_ROTATED"}
+                 "short_keys": "PREFILL_SHORT_KEYS", "short_rotated": "PREFILL_SHORT_ROTATED",
+                 "short_warps": "PREFILL_SHORT_WARPS", "short_tile": "PREFILL_SHORT_TILE",
+                 "short_blocks": "PREFILL_SHORT_BLOCKS"}
 
 
 def with_variant(variant: dict, run):
