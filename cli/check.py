@@ -45,6 +45,27 @@ def parse_arches(text: str) -> list[str]:
     return arches
 
 
+def select(specs: list[Specialisation], kernels: str | None, defines: list[str]) -> list[Specialisation]:
+    """The specialisations with one of `kernels` (comma-separated function names;
+    None: any) whose defines hold every NAME=VALUE of `defines`: those of one
+    model's head size, say, to fill a compile cache ahead of a run."""
+    if kernels is not None:
+        wanted = {name.strip() for name in kernels.split(",") if name.strip()}
+        known = {function for spec in specs for function in spec.functions}
+        if not wanted or wanted - known:
+            raise typer.BadParameter(f"{sorted(wanted - known) or kernels!r}: not kernels of these specialisations; "
+                                     f"they have {', '.join(sorted(known))}", param_hint="'--kernel'")
+        specs = [spec for spec in specs if wanted & set(spec.functions)]
+    for text in defines:
+        name, equals, value = text.partition("=")
+        if not (equals and name.strip() and value.strip()):
+            raise typer.BadParameter(f"{text!r} is not NAME=VALUE", param_hint="'--define'")
+        specs = [spec for spec in specs if jit.define_values(spec.defines).get(name.strip(), ...) == value.strip()]
+    if not specs:
+        raise typer.BadParameter("no specialisation has those kernels and defines", param_hint="'--define'")
+    return specs
+
+
 def _compile_one(spec: Specialisation, arch: str) -> tuple[list[dict], dict | None]:
     """(one row per kernel, failure or None) of one specialisation on one arch."""
     defines = jit.define_values(spec.defines)
@@ -117,6 +138,10 @@ def check(
     arch: str = typer.Option(DEFAULT_ARCHES, help="Comma-separated archs to compile for (sm_XY)."),
     all_specs: bool = typer.Option(False, "--all", help="Every specialisation the library can launch, "
                                    "not a representative sample."),
+    kernels: str | None = typer.Option(None, "--kernel", help="Only specialisations with one of these "
+                                       "kernels (comma-separated, e.g. prefill_attention,paged_attention)."),
+    defines: list[str] = typer.Option([], "--define", help="Only specialisations built with NAME=VALUE "
+                                      "(repeatable, e.g. KVC_HEAD_PAD=128)."),
     jobs: int = typer.Option(os.cpu_count() or 1, min=1, help="Compiles at a time (default: the CPU count)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of tables."),
 ) -> None:
@@ -124,7 +149,9 @@ def check(
 
     Prints each specialisation's key, arch, compile seconds, registers and
     spills (from ptxas). Compiled cubins land in the compile cache, so a later
-    run on a GPU of that arch loads them. Exit status 1 if any fails to compile
+    run on a GPU of that arch loads them: with --kernel and --define (and the
+    GPU's NVRTC major.minor, which is in the key), a machine without a GPU can
+    fill a cache for one model's builds ahead of a run. Exit status 1 if any fails to compile
     (its NVRTC log is printed); 2 if NVRTC is not installed (the cuda13 extra).
     """
     try:
@@ -135,7 +162,7 @@ def check(
                                    markup=False)
         raise typer.Exit(2)
     arches = parse_arches(arch)
-    specs = specialisations(all_specs)
+    specs = select(specialisations(all_specs), kernels, defines)
     with render.progress_display(len(specs) * len(arches), Console(stderr=True)) as display:
         report = run_check(arches, specs, jobs, display.advance)
     report["all"] = all_specs

@@ -297,6 +297,45 @@ def test_check_builds_arch_specific_kernels_for_their_base_arch_only(monkeypatch
     assert built == {("selftest", "sm_80"), ("selftest", "sm_90"), ("wgmma_check", "sm_90a")}
 
 
+def test_check_compiles_the_kernels_and_defines_asked_for(monkeypatch, cache_root):
+    """--kernel and --define keep the specialisations that have those kernels and
+    values (a cache filled for one model's builds); a name that is no kernel, a
+    define that is not NAME=VALUE or a selection of nothing is refused, compiling
+    nothing."""
+    from typer.testing import CliRunner
+
+    from cli.app import app
+    from kvcupy.backends import cuda_specs
+
+    def scales(all: bool):
+        return [cuda_specs.Specialisation("selftest", ("kvc_selftest_scale",),
+                                          {"KVC_SELFTEST_T": value_type, "KVC_SELFTEST_SCALE": scale})
+                for value_type in ("kvc::half", "float") for scale in (2, 3)]
+
+    def wgmma_probe(all: bool):
+        return [cuda_specs.Specialisation("wgmma_check", ("wgmma_scores", "wgmma_values"), {}, "sm_90a")]
+
+    monkeypatch.setattr(cuda_specs, "FAMILIES", (scales, wgmma_probe))
+    monkeypatch.setenv(jit.CACHE_DIR_ENV, str(cache_root))
+    monkeypatch.delenv(jit.SOURCE_DIR_ENV, raising=False)
+
+    def built(*options):
+        result = CliRunner().invoke(app, ["check", "--arch", "sm_90", "--json", *options])
+        assert result.exit_code == 0, result.output
+        return sorted((row["function"], row["defines"].get("KVC_SELFTEST_T"), row["defines"].get("KVC_SELFTEST_SCALE"))
+                      for row in json.loads(result.stdout)["results"])
+
+    assert built("--kernel", "wgmma_values") == [("wgmma_scores", None, None), ("wgmma_values", None, None)]
+    assert built("--define", "KVC_SELFTEST_SCALE=3") == [("kvc_selftest_scale", "float", "3"),
+                                                       ("kvc_selftest_scale", "kvc::half", "3")]
+    assert built("--kernel", "kvc_selftest_scale,wgmma_scores", "--define", "KVC_SELFTEST_T=float",
+                 "--define", "KVC_SELFTEST_SCALE=2") == [("kvc_selftest_scale", "float", "2")]
+    for options, named in ((["--kernel", "paged_attention"], "--kernel"), (["--define", "KVC_SELFTEST_T"], "--define"),
+                           (["--define", "KVC_SELFTEST_SCALE=5"], "--define")):
+        refused = CliRunner().invoke(app, ["check", "--arch", "sm_90", *options])
+        assert refused.exit_code == 2 and named in refused.output, refused.output
+
+
 # ---------------------------------------------------------------- an installed wheel
 
 def _source_names(folder: Path) -> set[str]:
