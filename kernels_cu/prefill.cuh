@@ -147,7 +147,9 @@ struct Prefill {
   // 0.2051, 32 x 256 0.2496 / 0.2498 against 0.2453 / 0.2454; 12 warps 64 x 128
   // 0.2215 / 0.2217 against 0.2251 / 0.2246, 32 x 256 0.2537 / 0.2541 against
   // 0.2577 / 0.2580).
-  static constexpr bool kInverseByGroups = 65536 / (kThreads * KVC_MIN_BLOCKS) <= 128;
+  // Registers a thread that the launch bounds leave (KVC_MIN_BLOCKS blocks a multiprocessor).
+  static constexpr int kBoundRegs = 65536 / (kThreads * KVC_MIN_BLOCKS);
+  static constexpr bool kInverseByGroups = kBoundRegs <= 128;
   static_assert(!kSwizzled || HEAD_PAD % 32 == 0, "swizzled rows are whole 64-byte columns");
   // bf16 operands: the mma.sync build over bf16 rows read in place, whose P
   // then enters as a two-term split (kSplitP), and DIRECT bf16 rows. Every
@@ -200,9 +202,10 @@ struct Prefill {
   static constexpr int kQueryBarrierOffset = kBarrierOffset + (PRODUCER ? 2 * 8 * kDecodedBuffers : 0);
   static constexpr int kBarrierBytes = kQueryBarrierOffset - kBarrierOffset + (WGMMA ? 16 : 0);
   static constexpr int kSharedBytes = kBarrierOffset + kBarrierBytes;
-  // Registers a thread (setmaxnreg): the launch bounds' 168 at 12 warps, the
-  // producer's given to the consumers.
-  static constexpr int kLaunchRegs = (65536 / kThreads) & ~7;
+  // Registers a thread (setmaxnreg): the launch bounds' 168 at 12 warps (one
+  // block a multiprocessor: the producer build's bounds), the producer's given
+  // to the consumers.
+  static constexpr int kLaunchRegs = kBoundRegs & ~7;
   static constexpr int kProducerRegs = KVC_PRODUCER_REGS;
   static constexpr int kConsumerRegs = ((kLaunchRegs * kThreads - kProducerRegs * 128) / kConsumerThreads) & ~7;
   // fp8 codes enter the products as e4m3 x 2^-8 (bit moves): the scales carry
