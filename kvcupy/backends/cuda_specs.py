@@ -63,8 +63,11 @@ def _family_function(family) -> Callable[[bool], list[Specialisation]]:
 
 
 def specialisations(all: bool = False) -> list[Specialisation]:
-    """Every family's specialisations (all=True) or its sample, in FAMILIES order."""
-    found: list[Specialisation] = []
+    """Every family's specialisations (all=True) or its sample, in FAMILIES order, each
+    once (a family's sample can name one build twice, e.g. the prefill kernel's
+    planned build and a short-prompt list's long-prompt build)."""
+    found: dict[tuple, Specialisation] = {}
     for family in FAMILIES:
-        found.extend(Specialisation(*spec) for spec in _family_function(family)(all))
-    return found
+        for spec in map(Specialisation._make, _family_function(family)(all)):
+            found.setdefault((spec.entry, spec.functions, tuple(sorted(spec.defines.items())), spec.arch), spec)
+    return list(found.values())
