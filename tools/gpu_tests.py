@@ -1,0 +1,92 @@
+"""The GPU tests (or any pytest selection) in N processes that share one GPU.
+
+    PYTHONPATH=. python3 tools/gpu_tests.py [--parts 16] [--logs DIR] [--timeout S] [-- PYTEST_ARGS...]
+
+Part k runs `pytest --shard k/N PYTEST_ARGS` (tests/conftest.py; PYTEST_ARGS
+default to `-m gpu -q tests`), so the parts compile the builds their tests take
+side by side instead of one process compiling them all in turn; the JIT's file
+locks keep two parts from compiling one build twice. Each part's output goes to
+DIR/part<k>.log. Prints each part's summary line and the totals; the exit status
+is 1 where a part failed, errored or ran out of time, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+DEFAULT_PYTEST_ARGS = ("-m", "gpu", "-q", "tests")
+# pytest's closing line, e.g. "3 failed, 120 passed, 5 skipped, 2 deselected in 41.20s"
+OUTCOME = re.compile(r"(\d+) (passed|failed|skipped|deselected|xfailed|xpassed|errors?|warnings?)\b")
+NO_TESTS = 5   # pytest's exit status when a part selects nothing
+
+
+def summary_line(log: str) -> str:
+    """The last line of a pytest log that counts outcomes ("" when there is none)."""
+    lines = [line for line in log.splitlines() if OUTCOME.search(line) and " in " in line]
+    return lines[-1].strip("= ") if lines else ""
+
+
+def outcome_counts(line: str) -> Counter:
+    """{"passed": 3, "error": 1, ...} of a summary line; deselected tests (the other
+    parts' share) are not counted."""
+    counts = Counter()
+    for number, outcome in OUTCOME.findall(line):
+        if outcome != "deselected":
+            counts[outcome.rstrip("s") if outcome.startswith(("error", "warning")) else outcome] += int(number)
+    return counts
+
+
+def run_parts(parts: int, pytest_args: list[str], logs: Path, timeout_s: float) -> tuple[Counter, list[str]]:
+    """Start every part, wait for them; (summed outcomes, one report line a part)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    started = []
+    for index in range(parts):
+        log_path = logs / f"part{index}.log"
+        handle = open(log_path, "w")
+        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--shard={index}/{parts}", *pytest_args]
+        started.append((index, log_path, handle, subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT)))
+    deadline = time.monotonic() + timeout_s
+    totals, lines = Counter(), []
+    for index, log_path, handle, process in started:
+        timed_out = False
+        try:
+            status = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            status, timed_out = process.wait(), True
+            totals["parts timed out"] += 1
+        handle.close()
+        line = summary_line(log_path.read_text(errors="replace"))
+        counts = outcome_counts(line)
+        if status not in (0, NO_TESTS) and not timed_out and not (counts["failed"] or counts["error"]):
+            totals["parts failed"] += 1   # a crash or a usage error: no failed test counted
+        totals.update(counts)
+        lines.append(f"part {index}: exit {status}: {line or 'no summary'}")
+    return totals, lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--logs", type=Path, default=Path("gpu-test-logs"))
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for all parts together")
+    parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments")
+    args = parser.parse_args()
+    if args.parts < 1:
+        parser.error("--parts must be at least 1")
+    totals, lines = run_parts(args.parts, args.pytest_args or list(DEFAULT_PYTEST_ARGS), args.logs, args.timeout)
+    print("\n".join(lines))
+    print("total: " + (", ".join(f"{count} {name}" for name, count in sorted(totals.items())) or "nothing ran"))
+    bad = totals["failed"] or totals["error"] or totals["parts timed out"] or totals["parts failed"]
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
