@@ -35,7 +35,8 @@ def pytest_collection_modifyitems(config, items):
         index, count = parse_shard(text)
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
-    # Every Nth test: a parametrised grid's neighbours (often one build each) spread over the parts.
+    # Every Nth test: each part takes a share of every parametrised grid, so the parts
+    # take about as long and compile different builds at the same time.
     kept = items[index::count]
     config.hook.pytest_deselected(items=[item for position, item in enumerate(items) if position % count != index])
     items[:] = kept
