@@ -710,19 +710,44 @@ struct Prefill {
            token_stride % 8 == 0 && head_stride % 8 == 0;
   }
 
-  // This lane's query elements of rows g (r = 0) and g + 8 (r = 1), logical
-  // dims 8 n + 2t + j, from the rows at rows[r] (the caller's query, or its
-  // bulk copy in shared memory): raw[n][2 r + j], times `factor`; channel l
-  // for the rotation's products, channel_of(l) where the channels are read in
-  // place (CACHE_ORDER). Every load goes out before any value is used: a short
-  // prompt's block otherwise waits out one memory latency per branch.
+  // This lane's 16-bit query pairs of rows g (r = 0) and g + 8 (r = 1), logical
+  // dims 8 n + 2t (j = 0 low half) and + 1 (high), from the rows at rows[r] (the
+  // caller's query, or its bulk copy in shared memory): bits[n][r], zeros past
+  // the head size and for rows past the last; channel l for the rotation's
+  // products, channel_of(l) where the channels are read in place (CACHE_ORDER).
+  // Every load goes out before any value is used: a short prompt's block
+  // otherwise waits out one memory latency per branch.
+  template <bool CACHE_ORDER>
+  static __device__ __forceinline__ void load_query_pairs(const Params& p, const void* const (&rows)[2],
+                                                          const bool (&row_valid)[2], u32 (&bits)[ND][2]) {
+    const int t = threadIdx.x & 3;
+    // int4's cache order splits a pair (channels t and t + 4 of a group of 8).
+    constexpr bool kSplitPairs = CACHE_ORDER && KV == KV_INT4;
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const u16* q = static_cast<const u16*>(rows[r]);
+        const int logical = 8 * n + 2 * t;
+        if constexpr (kSplitPairs) {
+          const int c0 = channel_of(logical), c1 = channel_of(logical + 1);
+          const u32 lo = row_valid[r] && c0 < p.head_size ? q[c0] : 0u;
+          const u32 hi = row_valid[r] && c1 < p.head_size ? q[c1] : 0u;
+          bits[n][r] = lo | (hi << 16);
+        } else {   // a pair never straddles a row: head sizes are even, rows pair-aligned (host)
+          const bool ok = row_valid[r] && logical < p.head_size;
+          bits[n][r] = ok ? *reinterpret_cast<const u32*>(q + logical) : 0u;
+        }
+      }
+  }
+
+  // This lane's query elements as load_query_pairs reads them (fp32 queries:
+  // each value), as floats times `factor`: raw[n][2 r + j].
   template <bool CACHE_ORDER>
   static __device__ __forceinline__ void load_query_elements(const Params& p, const void* const (&rows)[2],
                                                              const bool (&row_valid)[2], float factor,
                                                              float (&raw)[ND][4]) {
     const int t = threadIdx.x & 3;
-    // int4's cache order splits a pair (channels t and t + 4 of a group of 8).
-    constexpr bool kSplitPairs = CACHE_ORDER && KV == KV_INT4;
     if (p.query_dtype == kDtypeF32) {
       float v[ND][4];
 #pragma unroll
@@ -741,22 +766,7 @@ struct Prefill {
       return;
     }
     u32 bits[ND][2];   // [n][r]: the pair (j = 0 low, j = 1 high)
-#pragma unroll
-    for (int n = 0; n < ND; ++n)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const u16* q = static_cast<const u16*>(rows[r]);
-        const int logical = 8 * n + 2 * t;
-        if constexpr (kSplitPairs) {
-          const int c0 = channel_of(logical), c1 = channel_of(logical + 1);
-          const u32 lo = row_valid[r] && c0 < p.head_size ? q[c0] : 0u;
-          const u32 hi = row_valid[r] && c1 < p.head_size ? q[c1] : 0u;
-          bits[n][r] = lo | (hi << 16);
-        } else {   // a pair never straddles a row: head sizes are even, rows pair-aligned (host)
-          const bool ok = row_valid[r] && logical < p.head_size;
-          bits[n][r] = ok ? *reinterpret_cast<const u32*>(q + logical) : 0u;
-        }
-      }
+    load_query_pairs<CACHE_ORDER>(p, rows, row_valid, bits);
     const bool f16 = p.query_dtype == kDtypeF16;
 #pragma unroll
     for (int n = 0; n < ND; ++n)
@@ -862,19 +872,15 @@ struct Prefill {
   }
 
   // y = x M for this warp's 16 rows (x in C-fragment order, M's fragments in
-  // shared memory), each row times factor / up[r], then (ACROSS_GROUPS)
-  // `stages` butterflies across groups (the forward rotation's order: M, then
-  // the Sylvester factor); emit(n, y[4]) takes n tile n's C fragment. x enters
-  // as two fp16 terms (~22 bits) where MAY_LOW and with_low, else as one (exact
-  // where x holds fp16 or bf16 values); without MAY_LOW the low terms are not
-  // even worked out (a short prompt's block then skips a third of its
-  // rotation's work). Without ACROSS_GROUPS (the inverse, whose butterflies
-  // come first) each group of four n tiles is emitted as soon as it is done,
-  // so that y is never held whole (the epilogue's registers).
+  // shared memory), each row times factor[r], then (ACROSS_GROUPS) `stages`
+  // butterflies across groups (rotation_products). x enters as fp16 terms of
+  // the row times the power of two up[r] that brings its largest |x| near 2^14
+  // (undone on y): two (~22 bits) where MAY_LOW and with_low, else one (exact
+  // where x holds fp16 or bf16 values, 2^-12 relative otherwise); without
+  // MAY_LOW the low terms are not even worked out.
   template <bool MAY_LOW, bool ACROSS_GROUPS, class Emit>
   static __device__ __forceinline__ void rotate_rows(const float (&x)[ND][4], const u8* fragments, int shift,
-                                                     int stages, bool with_low, float factor, Emit emit) {
-    const int lane = threadIdx.x & 31;
+                                                     int stages, bool with_low, const float (&factor)[2], Emit emit) {
     float largest[2] = {0.f, 0.f};
 #pragma unroll
     for (int n = 0; n < ND; ++n)
@@ -883,7 +889,25 @@ struct Prefill {
     const float up[2] = {fp16_range_scale(max_over_quad(largest[0])), fp16_range_scale(max_over_quad(largest[1]))};
     u32 high[KC][4], low[KC][4];
     split_rows<MAY_LOW>(x, up, high, low);
-    const float scale[2] = {factor / up[0], factor / up[1]};
+    const float scale[2] = {factor[0] / up[0], factor[1] / up[1]};
+    rotation_products<false, MAY_LOW, ACROSS_GROUPS, true>(high, low, with_low, fragments, shift, stages, scale,
+                                                          emit);
+  }
+
+  // y = A M for this warp's 16 rows: A their fp16 (BF16: bf16) A fragments
+  // `high` (register 2h + r of k step ks: row g + 8r, dims 16 ks + 8h + 2t, +1),
+  // plus `low` where MAY_LOW and with_low; M's fragments (fp16 or bf16 like A)
+  // at `fragments`; each row times scale[r] where SCALED; then (ACROSS_GROUPS)
+  // `stages` butterflies across groups (the forward rotation's order: M, then
+  // the Sylvester factor); emit(n, y[4]) takes n tile n's C fragment. Without
+  // ACROSS_GROUPS (the inverse, whose butterflies come first) each group of
+  // four n tiles is emitted as soon as it is done, so that y is never held
+  // whole (the epilogue's registers).
+  template <bool BF16, bool MAY_LOW, bool ACROSS_GROUPS, bool SCALED, class Emit>
+  static __device__ __forceinline__ void rotation_products(const u32 (&high)[KC][4], const u32 (&low)[KC][4],
+                                                           bool with_low, const u8* fragments, int shift,
+                                                           int stages, const float (&scale)[2], Emit emit) {
+    const int lane = threadIdx.x & 31;
     const uint2* b = reinterpret_cast<const uint2*>(fragments) + lane;
     float y[ND][4];
     // Four n tiles at a time: four independent accumulator chains keep the
@@ -897,8 +921,8 @@ struct Prefill {
         for (int j = 0; j < 4; ++j) {
           const int ks = (n0 + j) >> 1;
           const uint2 fragment = b[(ks * ND + n0 + j) * 32];
-          mma<false>(acc[j], high[ks], fragment.x, fragment.y);
-          if (MAY_LOW && with_low) mma<false>(acc[j], low[ks], fragment.x, fragment.y);
+          mma<BF16>(acc[j], high[ks], fragment.x, fragment.y);
+          if (MAY_LOW && with_low) mma<BF16>(acc[j], low[ks], fragment.x, fragment.y);
         }
       } else {
 #pragma unroll
@@ -907,15 +931,15 @@ struct Prefill {
           for (int j = 0; j < 4; ++j) {
             if (!fragment_used(shift, ks, n0 + j)) continue;
             const uint2 fragment = b[(ks * ND + n0 + j) * 32];
-            mma<false>(acc[j], high[ks], fragment.x, fragment.y);
-            if (MAY_LOW && with_low) mma<false>(acc[j], low[ks], fragment.x, fragment.y);
+            mma<BF16>(acc[j], high[ks], fragment.x, fragment.y);
+            if (MAY_LOW && with_low) mma<BF16>(acc[j], low[ks], fragment.x, fragment.y);
           }
         }
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) y[n0 + j][i] = acc[j][i] * scale[i >> 1];
+        for (int i = 0; i < 4; ++i) y[n0 + j][i] = SCALED ? acc[j][i] * scale[i >> 1] : acc[j][i];
       if constexpr (!ACROSS_GROUPS) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) emit(n0 + j, y[n0 + j]);
@@ -929,20 +953,25 @@ struct Prefill {
   }
 
   // values[kc][h][r][j]: the query row g + 8 r of this warp, logical dim
-  // 16 kc + 8 h + 2t + j, rotated into the cache's channel order and scaled
-  // (softmax scale / norm), from the caller's query. A rotation is a product
-  // with the host's matrix (entries 0 and +-1, exact in fp16; the query split
-  // into fp16 high and low parts, accumulated in fp32), then the butterflies
-  // across groups where the host factored those out (rotation_stages). The
-  // matrix's fragments are staged in `scratch` (the block's query rows, written
-  // only after), unless they fall in 16-dim groups: few, read where they lie.
-  // Every thread of the block calls this. Without a rotation the channels are
-  // read in place. `staged`: the block's rows and the fragments came by bulk
-  // copies (run()), complete once `query_barrier` is; null: read from global memory.
+  // 16 kc + 8 h + 2t + j, rotated into the cache's channel order, from the
+  // caller's query, times `pending` less than the softmax scale / norm (the
+  // caller folds that factor into the rows' scaling). A rotation is a product
+  // with the host's matrix (entries 0 and +-1, exact in fp16 and bf16),
+  // accumulated in fp32, then the butterflies across groups where the host
+  // factored those out (rotation_stages): fp16 and bf16 queries enter the
+  // products as they are (bf16 ones against the matrix's bf16 fragments), so
+  // exactly and without a conversion or a scaling pass; fp32 ones split into
+  // fp16 high and low parts (rotate_rows). The matrix's fragments are staged in
+  // `scratch` (the block's query rows, written only after), unless they fall
+  // in 16-dim groups: few, read where they lie. Every thread of the block calls
+  // this. Without a rotation the channels are read in place. `staged`: the
+  // block's rows and the fragments came by bulk copies (run()), complete once
+  // `query_barrier` is; null: read from global memory.
   static __device__ __forceinline__ void load_query(const Params& p, int q_begin, int row_begin, int kv_head,
                                                     const bool (&row_valid)[2], u8* scratch, const u8* staged,
-                                                    u8* query_barrier, float (&values)[KC][2][2][2]) {
-    const int lane = threadIdx.x & 31;
+                                                    u8* query_barrier, float (&values)[KC][2][2][2],
+                                                    float& pending) {
+    const int lane = threadIdx.x & 31, t = lane & 3;
     const void* rows[2];
     if (staged != nullptr) {
       mbarrier_wait(query_barrier, 0);
@@ -961,36 +990,69 @@ struct Prefill {
     // The fragments in shared memory: staged here, or come with the rows (bulk);
     // without bulk copies, those in 16-dim groups are read where they lie.
     const bool staged_fragments = rotation_shift(p) >= 0 && (rotation_shift(p) != kGroupShift || staged != nullptr);
-    float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), dim 8 n + 2t + i % 2
     if (rotation_shift(p) < 0) {
+      float raw[ND][4];   // C-fragment order: raw[n][i] = row g + 8 (i / 2), dim 8 n + 2t + i % 2
       load_query_elements<true>(p, rows, row_valid, p.query_factor, raw);
 #pragma unroll
       for (int n = 0; n < ND; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = raw[n][i];
+      pending = 1.f;
       return;
     }
-    load_query_elements<false>(p, rows, row_valid, 1.f, raw);
-    const u8* fragments = staged_fragments ? scratch : reinterpret_cast<const u8*>(p.rotation_fwd);
+    const u8* fragments = staged_fragments ? scratch : reinterpret_cast<const u8*>(forward_fragments(p));
     if (staged_fragments && staged == nullptr) {
-      stage_fragments(p.rotation_fwd, scratch);
+      stage_fragments(forward_fragments(p), scratch);
       __syncthreads();
     }
     auto emit = [&](int n, const float (&y)[4]) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = y[i];
     };
-    // fp16 and bf16 queries are exact in the high part (row scaling included).
-    // The build without the producer (short prompts: prologues weigh) takes a
-    // copy of the code without the low terms for them; the producer build's
-    // long blocks keep one copy (its loop shares the registers).
-    const bool with_low = p.query_dtype == kDtypeF32;
-    if (PRODUCER || with_low)
-      rotate_rows<true, true>(raw, fragments, rotation_shift(p), p.rotation_stages, with_low, p.query_factor, emit);
-    else
-      rotate_rows<false, true>(raw, fragments, rotation_shift(p), p.rotation_stages, false, p.query_factor, emit);
+    const int shift = rotation_shift(p), stages = p.rotation_stages;
+    if (p.query_dtype == kDtypeF32) {
+      float raw[ND][4];
+      load_query_elements<false>(p, rows, row_valid, 1.f, raw);
+      const float factor[2] = {p.query_factor, p.query_factor};
+      rotate_rows<true, true>(raw, fragments, shift, stages, true, factor, emit);
+      pending = 1.f;
+    } else {
+      u32 pairs[KC][4];   // A fragments: register 2h + r of k step ks holds row g + 8r, dims 16 ks + 8h + 2t, +1
+      if (staged != nullptr) {
+        // ldmatrix: lanes 8m .. 8m + 7 address matrix m's rows (rows 8 (m & 1).., dims 8 (m >> 1)..).
+        const u8* lane_row =
+            staged + (16 * (threadIdx.x >> 5) + (lane & 7) + 8 * ((lane >> 3) & 1)) * kDecodedStride + 16 * (lane >> 4);
+#pragma unroll
+        for (int ks = 0; ks < KC; ++ks) ldmatrix_x4(pairs[ks], lane_row + 32 * ks);
+        // The bulk copies filled rows up to the head size and the block's last row only.
+#pragma unroll
+        for (int ks = 0; ks < KC; ++ks)
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            if (!row_valid[j & 1] || 16 * ks + 8 * (j >> 1) + 2 * t >= p.head_size) pairs[ks][j] = 0u;
+      } else {
+        u32 bits[ND][2];
+        load_query_pairs<false>(p, rows, row_valid, bits);
+#pragma unroll
+        for (int ks = 0; ks < KC; ++ks)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) pairs[ks][j] = bits[2 * ks + (j >> 1)][j & 1];
+      }
+      const float unscaled[2] = {1.f, 1.f};
+      if (p.query_dtype == kDtypeBf16)
+        rotation_products<true, false, true, false>(pairs, pairs, false, fragments, shift, stages, unscaled, emit);
+      else
+        rotation_products<false, false, true, false>(pairs, pairs, false, fragments, shift, stages, unscaled, emit);
+      pending = p.query_factor;
+    }
     // Every warp done with the staged fragments: the query rows go there next.
     if (staged_fragments) __syncthreads();
+  }
+
+  // The forward rotation's fragments for this call's query: the host's fp16
+  // ones, then its bf16 ones (a bf16 query's products take bf16 operands).
+  static __device__ __forceinline__ const uint2* forward_fragments(const Params& p) {
+    return p.rotation_fwd + (p.query_dtype == kDtypeBf16 ? kFragmentBytes / 8 : 0);
   }
 
   // Quantized caches' builds without a rotation or producer (kDirectQuery), bulk
@@ -1128,12 +1190,19 @@ struct Prefill {
           }
       }
     }
+    // What the inverse rotation's products still multiply each row by.
+    float row_factor[2] = {p.out_factor, p.out_factor};
     if constexpr (kTrimmed) {
       if (__all_sync(0xffffffffu, weights[0] != 0.f && weights[1] != 0.f)) {
+        if (rotation_shift(p) >= 0) {   // the products' row scaling takes the factors along
 #pragma unroll
-        for (int n = 0; n < ND; ++n)
+          for (int r = 0; r < 2; ++r) row_factor[r] *= factors[r];
+        } else {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) out[n][i] *= factors[i >> 1];
+          for (int n = 0; n < ND; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) out[n][i] *= factors[i >> 1];
+        }
       } else {
 #pragma unroll
         for (int n = 0; n < ND; ++n)
@@ -1185,7 +1254,14 @@ struct Prefill {
         for (int r = 0; r < 2; ++r)
           if (row_valid[r] && channel < p.head_size) store_output_pair(p.out_dtype, rows[r], channel, y[2 * r], y[2 * r + 1]);
       };
-      rotate_rows<true, !kInverseByGroups>(out, fragments, rotation_shift(p), 0, true, p.out_factor, store_tile);
+      // 16-bit outputs take the rows as one fp16 term: 2^-12 relative a value
+      // before the rotation mixes them, an eighth of a bf16 output's own
+      // rounding and half an fp16 one's (tests/test_gpu_attention.py: the
+      // bound); fp32 outputs keep two.
+      if (p.out_dtype == kDtypeF32)
+        rotate_rows<true, !kInverseByGroups>(out, fragments, rotation_shift(p), 0, true, row_factor, store_tile);
+      else
+        rotate_rows<false, !kInverseByGroups>(out, fragments, rotation_shift(p), 0, false, row_factor, store_tile);
     }
     if (bulk_out) {
       fence_proxy_async();   // this lane's stores before the copy engine reads them
@@ -1398,7 +1474,7 @@ struct Prefill {
                   query_barrier);
       }
       if (part_bytes != 0) {
-        const u8* source = reinterpret_cast<const u8*>(forward_part ? p.rotation_fwd : p.rotation_inv);
+        const u8* source = reinterpret_cast<const u8*>(forward_part ? forward_fragments(p) : p.rotation_inv);
         u8* target = forward_part ? query_area : decoded + kLastBufferOffset;
         bulk_copy(target + part_offset, source + part_offset, part_bytes, query_barrier);
       }
@@ -1438,8 +1514,9 @@ struct Prefill {
       __syncwarp();
     } else {
       float values[KC][2][2][2];   // [kc][h][r][j]
+      float pending;               // the softmax scale / norm the values still lack
       load_query(p, q_begin, row_begin, kv_head, row_valid, query_area, bulk_query ? decoded : nullptr, query_barrier,
-                 values);
+                 values, pending);
       if constexpr (PRODUCER) {   // past the block's last barrier: the roles part
         if (producer) {
           registers_down<kProducerRegs>();
@@ -1461,7 +1538,7 @@ struct Prefill {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float up = fp16_range_scale(max_over_quad(largest[r]));
-        row_unscale[r] = 1.f / up;
+        row_unscale[r] = pending / up;
 #pragma unroll
         for (int kc = 0; kc < KC; ++kc) {
 #pragma unroll

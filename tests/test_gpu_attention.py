@@ -13,10 +13,14 @@ while the denominator sums them in fp32: the output is off by at most 2^-11
 output to its dtype (half an ulp: 2^-11 fp16, 2^-8 bf16 per element, about
 a third of that in norm). The prefill kernel rotates the query (and, with
 one split, the output) itself, as mma products with the rotation's 0 / +-1
-entries: the operands split into fp16 high and low parts (2^-21 relative), at
-most 256 products summed in fp32 (below 256 x 2^-24 = 2^-16 ~ 1.5e-5 of the
-row's magnitudes). ATTENTION_BOUND = 2e-3 leaves room for the sum of
-these over long contexts, and is well under a wrong scale, zero-point or mask
+entries, at most 256 products summed in fp32 (below 256 x 2^-24 = 2^-16 ~
+1.5e-5 of the row's magnitudes): fp16 and bf16 queries enter those products
+exactly (as fp16 and bf16 operands), fp32 ones as fp16 high and low parts
+(2^-21 relative), and so do the rows rotated back into an fp32 output; rows
+rotated back into a 16-bit output enter as one fp16 term (2^-12 relative a
+value, about 2^-12 / sqrt(3) ~ 1.4e-4 of the output's norm once the rotation
+has mixed them: under the output's own rounding, which the bound adds).
+ATTENTION_BOUND = 2e-3 leaves room for the sum of these over long contexts, and is well under a wrong scale, zero-point or mask
 (errors of order 1e-2 and up). Checked over the whole output and per channel.
 
 The prefill kernel's wgmma build (sm_90) takes the rotated query as one fp16
@@ -648,13 +652,17 @@ def test_auto_cache_allocated_on_the_gpu(model_dtype):
 @pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "int8_per_token_head", "auto"])
 @pytest.mark.parametrize("rotation,head_size", [("blockdiag", 128), ("blockdiag", 96), ("blockdiag", 64),
                                                 ("kron", 80), ("none", 64), ("blockdiag", 40)])
-def test_prefill_rotates_its_query_and_output(rotation, head_size, kv_dtype, query_dtype, shape):
+def test_prefill_rotates_its_query_and_output(rotation, head_size, kv_dtype, query_dtype, shape, monkeypatch):
     """prefill.cuh takes the caller's query and rotates it itself (an mma with the
     rotation's fragments, and for blocks of 32 dims and up butterflies across
-    16-dim groups: 3 stages at 128, 2 at 64, 1 at 96); with one split ("prompts") it also normalises, adds
-    the sinks, rotates back and writes `out` itself, unless the rotation's blocks
-    are narrower than a fragment (d = 40: blocks of 8), which take the merge and
-    the rotate kernel like several splits ("chunk") do. Sinks throughout."""
+    16-dim groups: 3 stages at 128, 2 at 64, 1 at 96); with one split ("prompts",
+    pinned: the planner would split these short prompts' keys in two) it also
+    normalises, adds the sinks, rotates back and writes `out` itself, unless the
+    rotation's blocks are narrower than a fragment (d = 40: blocks of 8), which
+    take the merge and the rotate kernel like several splits ("chunk") do. Sinks
+    throughout."""
+    if shape == "prompts":
+        monkeypatch.setattr(cuda_attention, "choose_prefill_splits", lambda *args: 1)
     query_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if query_dtype == "bfloat16" else np.dtype(query_dtype)
     seq_lens, query_lens = ((200, 77), (200, 77)) if shape == "prompts" else ((4000, 600), (256, 64))
     rng = np.random.default_rng(head_size)

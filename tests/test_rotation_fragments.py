@@ -13,10 +13,11 @@ from kvcupy.rotation import sylvester
 from kvcupy.backends import cuda_attention as ca
 
 
-def unpack_fragments(fragments: np.ndarray) -> np.ndarray:
+def unpack_fragments(fragments: np.ndarray, bf16: bool = False) -> np.ndarray:
     """[K/16, N/8, 32, 2] uint32 -> B [K, N] float64, reading each word as the
     PTX fragment layout says: lane (g, t) holds B[2t, 2t + 1][g] in its first
-    register and B[2t + 8, 2t + 9][g] in its second, the lower k in the low half."""
+    register and B[2t + 8, 2t + 9][g] in its second, the lower k in the low half
+    (fp16 values, or with bf16 the high halves of float32 ones)."""
     k_steps, n_tiles = fragments.shape[:2]
     b = np.full((16 * k_steps, 8 * n_tiles), np.nan)
     for lane in range(32):
@@ -24,10 +25,22 @@ def unpack_fragments(fragments: np.ndarray) -> np.ndarray:
         for register, k in ((0, 2 * t), (1, 2 * t + 8)):
             words = fragments[:, :, lane, register]
             for half, shift in ((0, 0), (1, 16)):
-                values = ((words >> shift) & 0xFFFF).astype(np.uint16).view(np.float16)
+                halves = (words >> shift) & 0xFFFF
+                if bf16:
+                    values = (halves.astype(np.uint32) << 16).view(np.float32)
+                else:
+                    values = halves.astype(np.uint16).view(np.float16)
                 b[np.arange(k_steps)[:, None] * 16 + k + half, np.arange(n_tiles)[None, :] * 8 + g] = values
     assert not np.isnan(b).any()
     return b
+
+
+def all_fragments(plan, head_pad: int, kv: int) -> list:
+    """rotation_fragments' operands as B matrices: the forward one's fp16 and bf16
+    copies, then the inverse."""
+    forward, inverse = ca.rotation_fragments(plan, head_pad, kv)
+    assert forward.shape == (2, *inverse.shape)
+    return [unpack_fragments(forward[0]), unpack_fragments(forward[1], bf16=True), unpack_fragments(inverse)]
 
 
 def butterflies_across_groups(v: np.ndarray, stages: int) -> np.ndarray:
@@ -54,8 +67,9 @@ def test_fragments_rotate_like_the_oracle(head_size, kind, kv):
     if plan.is_identity:
         assert ca.rotation_shift(plan) == -1   # the kernel reads and writes channels in place
         return
-    forward, inverse = (unpack_fragments(f) for f in ca.rotation_fragments(plan, head_pad, kv))
-    assert set(np.unique(forward)) <= {-1.0, 0.0, 1.0}   # exact in fp16
+    forward, forward_bf16, inverse = all_fragments(plan, head_pad, kv)
+    assert set(np.unique(forward)) <= {-1.0, 0.0, 1.0}   # exact in fp16 and bf16
+    np.testing.assert_array_equal(forward_bf16, forward)   # the bf16 query's copy: the same matrix
     stages = ca.rotation_stages(plan)
 
     # Query: q (channels, zero-padded) times the forward B, then the butterflies
@@ -94,10 +108,9 @@ def test_skipped_fragments_are_zero(head_size, kind):
     if shift < 0:
         return
     head_pad = -(-head_size // ca.HEAD_CLASS) * ca.HEAD_CLASS
-    for fragments in ca.rotation_fragments(plan, head_pad, ca.KV_INT4):
-        b = unpack_fragments(fragments)   # values: a zero entry may be -0 (a sign times 0)
-        for ks in range(fragments.shape[0]):
-            for nt in range(fragments.shape[1]):
+    for b in all_fragments(plan, head_pad, ca.KV_INT4):   # values: a zero entry may be -0 (a sign times 0)
+        for ks in range(b.shape[0] // 16):
+            for nt in range(b.shape[1] // 8):
                 if (16 * ks) >> shift != (8 * nt) >> shift:
                     assert not b[16 * ks:16 * ks + 16, 8 * nt:8 * nt + 8].any(), (ks, nt)
 
