@@ -221,10 +221,28 @@ def attend(query: np.ndarray, keys: np.ndarray, values: np.ndarray, *, softmax_s
     if sinks is not None:
         denominator = denominator + np.exp(sink - peak)   # the sink adds mass, no value
     probs = weights / denominator
-    # Each query sums over the keys it sees only: a hidden key's weight is 0,
-    # but 0 * NaN is NaN, and a NaN value it does not attend must not reach it.
-    out = np.empty((num_queries, num_heads, values.shape[-1]))
-    for i in range(num_queries):
+    return seen_sums(probs, values, visible)
+
+
+def seen_sums(probs: np.ndarray, values: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """out[q, h] = sum over the keys k that query q sees of probs[h, q, k] values[k, h]:
+    probs [Hq, Lq, L], values [L, Hq, d], visible [Lq, L] -> [Lq, Hq, d] float64.
+
+    A hidden key's weight is 0, but 0 * NaN is NaN, and a NaN value a query does
+    not attend must not reach it. Where every value is finite a hidden key's zero
+    adds exactly nothing, and one batched product serves every query; otherwise
+    each query sums over the values it sees (seen_sums_by_query)."""
+    if not np.isfinite(values).all():
+        return seen_sums_by_query(probs, values, visible)
+    seen_probs = np.where(visible[None], probs, 0.0)
+    return np.ascontiguousarray(np.matmul(seen_probs, values.transpose(1, 0, 2)).transpose(1, 0, 2))
+
+
+def seen_sums_by_query(probs: np.ndarray, values: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """seen_sums, a query at a time over the values it sees (gathering them once a
+    query: for long contexts, seconds of copies)."""
+    out = np.empty((probs.shape[1], probs.shape[0], values.shape[-1]))
+    for i in range(probs.shape[1]):
         seen = visible[i]
         out[i] = np.einsum("hk,khd->hd", probs[:, i, seen], values[seen], optimize=True)
     return out
