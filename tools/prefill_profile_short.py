@@ -8,9 +8,11 @@
     PYTHONPATH=.:tools python3 tools/prefill_profile_short.py --time
 
 Profiled: two calls of kvcupy's prefill over an int8 cache without a rotation
-(the planner's short build), 64 sequences x 128 tokens, 32 query / 8 KV heads,
-d = 128, block size 16 (prefill_variants.make_case), then two of torch's cuDNN
-SDPA on dense bf16 tensors of the same shape. --time prints instead the medians
+(the planner's short build; --kv-dtype and --rotation name another cache, e.g.
+--kv-dtype int4_per_token_head --rotation blockdiag), 64 sequences x 128
+tokens, 32 query / 8 KV heads, d = 128, block size 16
+(prefill_variants.make_case), then two of torch's cuDNN SDPA on dense bf16
+tensors of the same shape. --time prints instead the medians
 of SDPA's cuDNN and flash backends at 64 x 128 and 32 x 256 (CUDA events around
 two calls, 15 of them after 5 warm-up calls; no hold kernel, unlike the bench's
 method, so read them beside the bench's, not as its). Needs torch with CUDA.
@@ -18,8 +20,8 @@ method, so read them beside the bench's, not as its). Needs torch with CUDA.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 import cupy
 import numpy as np
@@ -60,8 +62,8 @@ def sdpa_times() -> dict:
     return times
 
 
-def profiled_calls() -> None:
-    case = make_case("int8_per_token_head", SEQUENCES, TOKENS, TOKENS, HEAD_SIZE, "none", np.random.default_rng(0))
+def profiled_calls(kv_dtype: str, rotation: str) -> None:
+    case = make_case(kv_dtype, SEQUENCES, TOKENS, TOKENS, HEAD_SIZE, rotation, np.random.default_rng(0))
     batch = kc.plan_batch(block_table=case["table"], seq_lens=np.full(SEQUENCES, TOKENS, np.int32),
                           cu_seqlens_q=np.arange(SEQUENCES + 1, dtype=np.int32) * TOKENS,
                           block_size=BLOCK_SIZE, num_blocks=case["pages"])
@@ -77,7 +79,12 @@ def profiled_calls() -> None:
 
 
 if __name__ == "__main__":
-    if "--time" in sys.argv[1:]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time", action="store_true", help="SDPA's medians instead of the profiled calls")
+    parser.add_argument("--kv-dtype", default="int8_per_token_head")
+    parser.add_argument("--rotation", default="none", help="the cache's rotation kind (make_case)")
+    options = parser.parse_args()
+    if options.time:
         print(json.dumps(sdpa_times()))
     else:
-        profiled_calls()
+        profiled_calls(options.kv_dtype, options.rotation)
