@@ -1,5 +1,6 @@
 """conftest's --shard: N parts that partition the selected tests."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,35 @@ def test_gpu_tests_tool_runs_the_parts_and_sums_them(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["part0.log", "part1.log", "part2.log"]
     broken = run_tool(tmp_path, "--parts", "2", "--", "-q", str(SAMPLE.with_name("no_such_test.py")))
     assert broken.returncode == 1 and "2 parts failed" in broken.stdout, broken.stdout + broken.stderr
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("gpu_tests", SAMPLE.parent.parent / "tools" / "gpu_tests.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_a_stopped_parts_progress_is_counted():
+    """A part stopped by the time limit prints no summary line: its progress
+    characters (-q) or result words (-v) say what it had done."""
+    tool = load_tool()
+    quiet = "..F.s" + "." * 67 + " [ 40%]\n..E.x\n"
+    assert tool.progress_counts(quiet) == {"passed": 73, "failed": 1, "skipped": 1, "error": 1, "xfailed": 1}
+    verbose = ("tests/test_a.py::test_one[int4-128] PASSED   [  1%]\n"
+               "tests/test_a.py::test_two FAILED    [  2%]\n"
+               "tests/test_a.py::test_three SKIPPED (no wgmma)   [  3%]\n"
+               "E   AssertionError: 2 > 1\n")
+    assert tool.progress_counts(verbose) == {"passed": 1, "failed": 1, "skipped": 1}
+
+
+def test_a_part_that_runs_out_of_time_reports_what_it_did(tmp_path):
+    """End to end: one quick test, then one that outlasts --timeout; the part is
+    counted as timed out, its first test as passed, and the exit status is 1."""
+    selection = tmp_path / "test_slow.py"
+    selection.write_text("import time\n\ndef test_quick():\n    pass\n\ndef test_slow():\n    time.sleep(60)\n")
+    ran = run_tool(tmp_path / "logs", "--parts", "1", "--timeout", "15", "--",
+                   "-p", "tests.conftest", "-q", str(selection))
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    assert "part 0: exit -9: stopped at the time limit after 1 passed" in ran.stdout, ran.stdout
+    assert ran.stdout.splitlines()[-1] == "total: 1 parts timed out, 1 passed", ran.stdout

@@ -6,8 +6,10 @@ Part k runs `pytest --shard k/N PYTEST_ARGS` (tests/conftest.py; PYTEST_ARGS
 default to `-m gpu -q tests`), so the parts compile the builds their tests take
 side by side instead of one process compiling them all in turn; the JIT's file
 locks keep two parts from compiling one build twice. Each part's output goes to
-DIR/part<k>.log. Prints each part's summary line and the totals; the exit status
-is 1 where a part failed, errored or ran out of time, else 0.
+DIR/part<k>.log. Prints each part's summary line and the totals (a part stopped
+by --timeout: the outcomes its log shows so far, from pytest's progress
+characters or, with -v, its result words); the exit status is 1 where a part
+failed, errored or ran out of time, else 0.
 """
 
 from __future__ import annotations
@@ -43,6 +45,28 @@ def outcome_counts(line: str) -> Counter:
     return counts
 
 
+# What a part had done when its time ran out: pytest's progress characters
+# (-q: "..F.s" lines) or its verbose results ("test.py::name PASSED").
+PROGRESS_LINE = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")
+VERBOSE_RESULT = re.compile(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+PROGRESS_OUTCOMES = {".": "passed", "F": "failed", "E": "error", "s": "skipped", "x": "xfailed", "X": "xpassed"}
+VERBOSE_OUTCOMES = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
+                    "XFAIL": "xfailed", "XPASS": "xpassed"}
+
+
+def progress_counts(log: str) -> Counter:
+    """The outcomes a part's log shows before its summary line: those of a part
+    stopped by the time limit, which never printed one."""
+    counts = Counter()
+    for line in log.splitlines():
+        progress = PROGRESS_LINE.match(line.strip())
+        if progress:
+            counts.update(PROGRESS_OUTCOMES[c] for c in progress.group(1))
+        else:
+            counts.update(VERBOSE_OUTCOMES[word] for word in VERBOSE_RESULT.findall(line))
+    return counts
+
+
 def run_parts(parts: int, pytest_args: list[str], logs: Path, timeout_s: float) -> tuple[Counter, list[str]]:
     """Start every part, wait for them; (summed outcomes, one report line a part)."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -63,8 +87,13 @@ def run_parts(parts: int, pytest_args: list[str], logs: Path, timeout_s: float) 
             status, timed_out = process.wait(), True
             totals["parts timed out"] += 1
         handle.close()
-        line = summary_line(log_path.read_text(errors="replace"))
+        log = log_path.read_text(errors="replace")
+        line = summary_line(log)
         counts = outcome_counts(line)
+        if timed_out and not line:   # what it had done: counted, and said to be partial
+            counts = progress_counts(log)
+            done = ", ".join(f"{count} {name}" for name, count in sorted(counts.items())) or "nothing"
+            line = f"stopped at the time limit after {done}"
         if status not in (0, NO_TESTS) and not timed_out and not (counts["failed"] or counts["error"]):
             totals["parts failed"] += 1   # a crash or a usage error: no failed test counted
         totals.update(counts)
