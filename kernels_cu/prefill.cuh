@@ -876,7 +876,7 @@ struct Prefill {
   // butterflies across groups (rotation_products). x enters as fp16 terms of
   // the row times the power of two up[r] that brings its largest |x| near 2^14
   // (undone on y): two (~22 bits) where MAY_LOW and with_low, else one (exact
-  // where x holds fp16 or bf16 values, 2^-12 relative otherwise); without
+  // where x holds fp16 or bf16 values, 2^-11 relative otherwise); without
   // MAY_LOW the low terms are not even worked out.
   template <bool MAY_LOW, bool ACROSS_GROUPS, class Emit>
   static __device__ __forceinline__ void rotate_rows(const float (&x)[ND][4], const u8* fragments, int shift,
@@ -1254,10 +1254,10 @@ struct Prefill {
         for (int r = 0; r < 2; ++r)
           if (row_valid[r] && channel < p.head_size) store_output_pair(p.out_dtype, rows[r], channel, y[2 * r], y[2 * r + 1]);
       };
-      // 16-bit outputs take the rows as one fp16 term: 2^-12 relative a value
-      // before the rotation mixes them, an eighth of a bf16 output's own
-      // rounding and half an fp16 one's (tests/test_gpu_attention.py: the
-      // bound); fp32 outputs keep two.
+      // 16-bit outputs take the rows as one fp16 term: at most 2^-11 relative a
+      // value before the rotation mixes them, as much as an fp16 output's own
+      // rounding and an eighth of a bf16 one's (tests/test_gpu_attention.py:
+      // the bound); fp32 outputs keep two.
       if (p.out_dtype == kDtypeF32)
         rotate_rows<true, !kInverseByGroups>(out, fragments, rotation_shift(p), 0, true, row_factor, store_tile);
       else

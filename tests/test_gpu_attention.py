@@ -17,10 +17,11 @@ entries, at most 256 products summed in fp32 (below 256 x 2^-24 = 2^-16 ~
 1.5e-5 of the row's magnitudes): fp16 and bf16 queries enter those products
 exactly (as fp16 and bf16 operands), fp32 ones as fp16 high and low parts
 (2^-21 relative), and so do the rows rotated back into an fp32 output; rows
-rotated back into a 16-bit output enter as one fp16 term (2^-12 relative a
-value, about 2^-12 / sqrt(3) ~ 1.4e-4 of the output's norm once the rotation
-has mixed them: under the output's own rounding, which the bound adds).
-ATTENTION_BOUND = 2e-3 leaves room for the sum of these over long contexts, and is well under a wrong scale, zero-point or mask
+rotated back into a 16-bit output enter as one fp16 term (at most 2^-11
+relative a value, about 2^-11 / sqrt(3) ~ 2.8e-4 of the output's norm once
+the rotation has mixed them: no more than the output's own rounding, which
+the bound adds). ATTENTION_BOUND = 2e-3 leaves room for the sum of these
+over long contexts, and is well under a wrong scale, zero-point or mask
 (errors of order 1e-2 and up). Checked over the whole output and per channel.
 
 The prefill kernel's wgmma build (sm_90) takes the rotated query as one fp16
