@@ -219,6 +219,56 @@ def _torch_raw(x):
     return x, None
 
 
+# torch dtypes a device view takes straight from the tensor's pointer: their
+# storage dtype in CuPy and, where CuPy has none, the logical dtype (torch's
+# bfloat16 as int16 bits, as _torch_raw's DLPack view gives them).
+_torch_views: dict = {}
+
+
+def _torch_view_dtypes() -> dict:
+    if not _torch_views:
+        import torch
+        _torch_views.update({torch.float16: (np.dtype(np.float16), None), torch.float32: (np.dtype(np.float32), None),
+                             torch.float64: (np.dtype(np.float64), None), torch.bfloat16: (np.dtype(np.int16), BFLOAT16),
+                             torch.int8: (np.dtype(np.int8), None), torch.uint8: (np.dtype(np.uint8), None),
+                             torch.int16: (np.dtype(np.int16), None), torch.int32: (np.dtype(np.int32), None),
+                             torch.int64: (np.dtype(np.int64), None)})
+        if hasattr(torch, "float8_e4m3fn"):
+            _torch_views[torch.float8_e4m3fn] = (np.dtype(np.uint8), FP8_DTYPE)
+    return _torch_views
+
+
+def _torch_device_view(x, device: Device, backend):
+    """(CuPy array over a torch GPU tensor's memory, logical dtype or None) built from
+    its pointer, shape and strides, or None where the DLPack exchange must run.
+
+    DLPack's export costs torch some 20 us of Python a tensor, and the
+    exchange around it more (measured: tools/host_primitives.py); all it adds
+    here is the ordering of torch's pending work before the consumer's stream,
+    which is nothing when that stream is torch's current one, the stream every
+    kvcupy call on torch tensors runs on (`running_on`). So the view is built
+    directly where the two streams are the same and the tensor is one DLPack
+    would export as it is (strided, not requiring grad: DLPack refuses those
+    with its own message, which the other path passes on). The array keeps
+    the tensor alive, as DLPack's capsule would."""
+    if not hasattr(backend, "device_view"):
+        return None
+    raw = _torch_view_dtypes().get(x.dtype)
+    if raw is None or x.requires_grad or x.numel() == 0 or not x.is_cuda or x.layout is not _torch_strided():
+        return None
+    import torch
+    if int(torch.cuda.current_stream(device.index).cuda_stream) != backend.current_stream(device):
+        return None
+    storage, logical = raw
+    data = backend.device_view(x.data_ptr(), tuple(x.shape), storage, tuple(x.stride()), x, device)
+    return data, logical
+
+
+def _torch_strided():
+    import torch
+    return torch.strided
+
+
 def _host_view(x, name: str) -> tuple[np.ndarray, np.dtype]:
     if framework_of(x) == "jax":
         array = np.asarray(x)   # JAX arrays are immutable: a read-only view is all there is
@@ -266,6 +316,10 @@ def as_array(x, name: str) -> Array:
     tagged = None
     exporting = contextlib.nullcontext()
     if framework == "torch":
+        view = _torch_device_view(x, device, backend)
+        if view is not None:
+            data, logical = view
+            return Array(data, logical or np.dtype(data.dtype), device, framework, name)
         import torch
         x, tagged = _torch_raw(x)
         exporting = torch.cuda.device(device.index)   # torch exports only from the current device
@@ -395,12 +449,26 @@ class _StreamHandle:
         return (0, self.ptr)
 
 
+_cupy_streams: dict = {}
+_CUPY_STREAMS_KEPT = 64
+
+
 def _cupy_stream(ptr: int, device_index: int):
-    """CuPy's view of a stream it does not own (the device current already)."""
+    """CuPy's view of a stream it does not own (the device current already), one
+    kept per (device, handle): making one costs more than the rest of a switch.
+    A view holds the handle only and never destroys the stream."""
     import cupy
-    if hasattr(cupy.cuda.Stream, "from_external"):   # CuPy >= 14; it never destroys the stream
-        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-    return cupy.cuda.ExternalStream(ptr, device_index)
+    key = (cupy.cuda, device_index, ptr)   # (the module too: tests swap in a stand-in)
+    stream = _cupy_streams.get(key)
+    if stream is None:
+        if len(_cupy_streams) >= _CUPY_STREAMS_KEPT:
+            _cupy_streams.clear()
+        if hasattr(cupy.cuda.Stream, "from_external"):   # CuPy >= 14; it never destroys the stream
+            stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+        else:
+            stream = cupy.cuda.ExternalStream(ptr, device_index)
+        _cupy_streams[key] = stream
+    return stream
 
 
 def _launches_through_cupy(device: Device) -> bool:
@@ -414,23 +482,38 @@ def _launches_through_cupy(device: Device) -> bool:
     return getattr(backend, "__name__", None) in ("kvcupy.backends.cuda", "kvcupy.backends.rocm")
 
 
-@contextlib.contextmanager
-def running_on(device: Device, source: StreamSource = CUPY_STREAM):
+class running_on:
     """Run the enclosed kvcupy work on `device` (current for CuPy and, for torch
     callers, for torch) and on `source`'s stream, made CuPy's current stream:
     every launch and every DLPack exchange inside then uses it. Nothing waits:
-    no stream or device synchronisation."""
-    with contextlib.ExitStack() as stack:
+    no stream or device synchronisation. (A class rather than a generator: a
+    call enters it once, and its host time counts; tools/host_primitives.py.)"""
+
+    def __init__(self, device: Device, source: StreamSource = None):
+        self.device, self.source = device, source or CUPY_STREAM
+        self.entered = []
+
+    def __enter__(self):
+        device = self.device
         if device.kind != "cpu" and _launches_through_cupy(device):
             import cupy
-            stack.enter_context(cupy.cuda.Device(device.index))
-            if source.framework == "torch":
+            self._enter(cupy.cuda.Device(device.index))
+            if self.source.framework == "torch":
                 import torch
-                stack.enter_context(torch.cuda.device(device.index))
-            ptr = source.stream()
+                self._enter(torch.cuda.device(device.index))
+            ptr = self.source.stream()
             if ptr is not None:
-                stack.enter_context(_cupy_stream(ptr, device.index))
-        yield
+                self._enter(_cupy_stream(ptr, device.index))
+        return self
+
+    def _enter(self, context) -> None:
+        context.__enter__()
+        self.entered.append(context)
+
+    def __exit__(self, *exc):
+        while self.entered:
+            self.entered.pop().__exit__(*exc)
+        return False
 
 
 def running_like(x):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,12 +102,12 @@ class CacheArrays(_Geometry):
     storage_dtype: np.dtype
     device: Any
 
-    @property
+    @functools.cached_property
     def plan_key(self) -> tuple:
         """What a backend's attention plan may depend on besides the batch: the
         format, whether a rotation applies, each tensor's shape, strides and 16-byte
         alignment, and the device (a batch planned once serves caches of other
-        formats or layouts too)."""
+        formats or layouts too). Worked out once: the tensors never move."""
         tensors = (self.key_cache, self.value_cache, self.k_scale_cache, self.v_scale_cache)
         rotated = self.rotation is not None and not self.rotation.is_identity
         return (self.kv_dtype, str(self.storage_dtype), self.head_size, rotated, repr(self.device),

@@ -42,6 +42,19 @@ class RotationPlan:
     mix_size: int           # order of M: number of blocks (blockdiag) or m (kron)
     signs: tuple[int, ...]  # length head_size (blockdiag: the block's signs, tiled)
 
+    def __hash__(self) -> int:
+        # Plans key the backends' memos at every call: the signs (head_size ints)
+        # are hashed once, not at each lookup.
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.head_size, self.kind, self.preset, self.pow2_size, self.mix_size, self.signs))
+            object.__setattr__(self, "_hash", found)
+        return found
+
+    def __getstate__(self) -> dict:
+        # Without the hash: str hashes differ from one process to the next.
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
+
     @property
     def is_identity(self) -> bool:
         return self.kind == "none"

@@ -180,6 +180,46 @@ def test_torch_bfloat16_and_float8_caches_cross_without_copies(torch_cuda, kv_dt
     assert relative_error(as_float(out), as_float(expected)) < ATTENTION_BOUND
 
 
+def test_torch_tensors_are_viewed_from_their_pointer_where_the_streams_agree(torch_cuda):
+    """On torch's current stream (where every call on torch tensors runs) a tensor
+    becomes a CuPy view built from its pointer, shape and strides, without
+    DLPack's exchange; elsewhere, and for tensors DLPack refuses, the exchange
+    runs as before. Either way the view is the tensor's memory, its strides
+    kept, its logical dtype named."""
+    torch = torch_cuda
+    x = torch.randn((6, 4, 32), device="cuda", dtype=torch.bfloat16).transpose(0, 1)[:, 1:5]
+    exchanged = []
+    export = interop._export
+
+    def counting(*args, **kwargs):
+        exchanged.append(args[1])
+        return export(*args, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interop, "_export", counting)
+        with interop.running_like(x):
+            view = interop.as_array(x, "x")
+        assert not exchanged, "same stream: no DLPack exchange"
+        assert view.data.data.ptr == x.data_ptr() and view.dtype == interop.BFLOAT16
+        assert view.data.shape == tuple(x.shape) and view.data.strides == tuple(2 * s for s in x.stride())
+        bits = cupy.asnumpy(view.data).view(np.uint16)
+        np.testing.assert_array_equal(bits, x.cpu().view(torch.int16).numpy().view(np.uint16))
+
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):   # torch's stream differs from CuPy's current one
+            other = interop.as_array(x, "x")
+        assert exchanged == ["x"] and other.data.data.ptr == x.data_ptr()
+
+        with interop.running_like(x), pytest.raises(TypeError, match="x could not be exported"):
+            interop.as_array(torch.zeros(3, device="cuda", requires_grad=True), "x")
+
+    if hasattr(torch, "float8_e4m3fn"):
+        codes = torch.zeros((2, 8), device="cuda", dtype=torch.float8_e4m3fn)
+        with interop.running_like(codes):
+            view = interop.as_array(codes, "codes")
+        assert view.dtype == kc.formats.FP8_DTYPE and view.data.dtype == np.uint8
+        assert view.data.data.ptr == codes.data_ptr()
+
+
 def test_cupy_out_is_written_in_place():
     cache = kc.allocate_cache(4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, device="cuda")
     assert isinstance(cache.key_cache, cupy.ndarray)

@@ -89,6 +89,22 @@ def import_dlpack(x) -> cupy.ndarray:
     return cupy.from_dlpack(x)
 
 
+def current_stream(device) -> int:
+    """The handle of CuPy's current stream on `device` (0: the legacy default stream)."""
+    with cupy.cuda.Device(device.index):
+        return cupy.cuda.get_current_stream().ptr
+
+
+def device_view(pointer: int, shape: tuple, dtype: np.dtype, element_strides: tuple, owner, device) -> cupy.ndarray:
+    """A CuPy array over memory another framework owns on `device` (interop's torch
+    views): `shape` and `element_strides` (non-negative, in elements) from `pointer`,
+    `owner` kept alive with it."""
+    strides = tuple(stride * dtype.itemsize for stride in element_strides)
+    extent = dtype.itemsize + sum((size - 1) * stride for size, stride in zip(shape, strides))
+    memory = cupy.cuda.UnownedMemory(pointer, extent, owner, device.index)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
+
+
 def dlpack_stream(device) -> int:
     """CuPy's current stream on `device`, as DLPack names it: 1 for the legacy default
     stream (whose handle is 0, which DLPack reserves), else the cudaStream_t (2 is the

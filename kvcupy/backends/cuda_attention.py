@@ -29,6 +29,7 @@ call allocates nothing.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -213,15 +214,15 @@ class Kernel:
     arch = None         # the device's own arch (PrefillKernel's wgmma build asks for sm_90a)
     kv_heads_per_block = property(lambda self: self.heads)
 
-    @property
+    @functools.cached_property
     def threads(self) -> int:
         return 32 * self.heads
 
-    @property
+    @functools.cached_property
     def rows_per_tile(self) -> int:
         return 4 * self.quads
 
-    @property
+    @functools.cached_property
     def blocks_per_sm(self) -> int:
         """Blocks a multiprocessor should hold: 16 warps up to head size 128 with one
         quad (registers capped at 128 a thread to fit them: no spills there, per
@@ -230,19 +231,19 @@ class Kernel:
         by_warps = max(1, (16 if self.quads == 1 and self.head_pad <= 128 else 8) // self.heads)
         return min(by_shared, by_warps)
 
-    @property
+    @functools.cached_property
     def defines(self) -> dict:
         return {"KVC_ATTN_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_HEADS": self.heads,
                 "KVC_QUADS": self.quads, "KVC_TILE": self.tile, "KVC_STAGES": self.stages,
                 "KVC_CHUNK": self.chunk, "KVC_MIN_BLOCKS": self.blocks_per_sm,
                 "KVC_STAGING": self.staging}
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         bits = 4 if self.kv == KV_INT4 else 8 if self.kv in (KV_INT8, KV_FP8) else 16
         return self.head_pad * bits // 8
 
-    @property
+    @functools.cached_property
     def shared_bytes(self) -> int:
         """attention.cuh's Traits::kSharedBytes (the same arithmetic)."""
         def padded(size: int, a: int) -> int:   # the next size = a modulo 2a
@@ -297,16 +298,16 @@ class PrefillKernel:
             return self
         return replace(self, direct=True)
 
-    @property
+    @functools.cached_property
     def quantized(self) -> bool:
         return self.kv in (KV_INT4, KV_INT8, KV_FP8)
 
-    @property
+    @functools.cached_property
     def decoded(self) -> bool:
         """Whether tiles pass through fp16 decoded buffers (prefill.cuh's kDecoded)."""
         return self.quantized or self.wgmma
 
-    @property
+    @functools.cached_property
     def stages(self) -> int:
         """Raw stages; direct builds: tiles in flight beside the consumers' three
         buffers, as many as fit (PREFILL_DIRECT_STAGES at most)."""
@@ -315,30 +316,30 @@ class PrefillKernel:
             return max(fitting, default=0)
         return PREFILL_STAGES if self.quantized else PREFILL_AUTO_STAGES
 
-    @property
+    @functools.cached_property
     def threads(self) -> int:
         return 32 * self.warps
 
-    @property
+    @functools.cached_property
     def consumer_warps(self) -> int:
         """Warps with query rows (all but the producer warpgroup)."""
         return self.warps - 4 if self.producer else self.warps
 
-    @property
+    @functools.cached_property
     def rows_per_tile(self) -> int:
         return 16 * self.consumer_warps
 
-    @property
+    @functools.cached_property
     def blocks_per_sm(self) -> int:
         wanted = PREFILL_MIN_BLOCKS if self.min_blocks is None else self.min_blocks
         return max(1, min(wanted, SHARED_BYTES_PER_SM // self.shared_bytes))
 
-    @property
+    @functools.cached_property
     def arch(self) -> str | None:
         """The arch to compile for: sm_90a for wgmma, else the device's own."""
         return "sm_90a" if self.wgmma else None
 
-    @property
+    @functools.cached_property
     def defines(self) -> dict:
         defines = {"KVC_PREFILL_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_WARPS": self.warps,
                    "KVC_TILE": self.tile, "KVC_STAGES": self.stages, "KVC_CHUNK": self.chunk,
@@ -353,13 +354,13 @@ class PrefillKernel:
             defines["KVC_ROTATED"] = 0
         return {**defines, "KVC_WGMMA": 1} if self.wgmma else defines
 
-    @property
+    @functools.cached_property
     def swizzled(self) -> bool:
         """Whether the decoded tiles take a swizzled layout (prefill.cuh's kSwizzled: 128-byte
         columns where head_pad is a multiple of 64, else 64-byte ones)."""
         return PREFILL_SWIZZLE and self.direct
 
-    @property
+    @functools.cached_property
     def shared_bytes(self) -> int:
         """prefill.cuh's Prefill::kSharedBytes (the same arithmetic)."""
         return self._shared_bytes(self.stages)
@@ -684,6 +685,33 @@ class Plan:
             self.functions[key] = function
         return self.functions[key]
 
+    # The per-call lookups below are memoised in `functions` too, by keys of their
+    # own: a layer's call then builds no defines and sorts nothing (host time;
+    # tools/host_overhead.py).
+    def entry_function(self, kernel):
+        """`function` of the attention build `kernel`'s own entry."""
+        function = self.functions.get(kernel)
+        if function is None:
+            function = self.functions[kernel] = self.function(kernel.entry, kernel.defines, kernel)
+        return function
+
+    def merge_function(self, out_dtype):
+        """`function` of merge_splits writing `out_dtype`."""
+        key = ("merge_splits", out_dtype)
+        function = self.functions.get(key)
+        if function is None:
+            function = self.functions[key] = self.function("merge_splits",
+                                                           {"KVC_OUT_T": formats.CPP_TYPES[out_dtype]})
+        return function
+
+    def for_query(self, query_dtype, rotation):
+        """The plan's kernel's for_query build for this query dtype and rotation."""
+        key = ("for_query", query_dtype, rotation)
+        kernel = self.functions.get(key)
+        if kernel is None:
+            kernel = self.functions[key] = self.kernel.for_query(query_dtype, rotation)
+        return kernel
+
 
 def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) -> Plan:
     import cupy
@@ -941,7 +969,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
     kernel = plan.kernel
     prefill = isinstance(kernel, PrefillKernel)
     if prefill:
-        kernel = kernel.for_query(query.dtype, rotation)
+        kernel = plan.for_query(query.dtype, rotation)
     in_kernel = _in_kernel_rotation(rotation)
     with cupy.cuda.Device(device.index):
         sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
@@ -963,7 +991,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         part_out = None if direct else _buffer(plan, "part_out", (plan.num_splits,) + rows, device)
         part_stats = None if direct else _buffer(plan, "part_stats", (plan.num_splits, num_tokens, num_heads, 2),
                                                  device)
-        attention = plan.function(kernel.entry, kernel.defines, kernel)
+        attention = plan.entry_function(kernel)
         has_scales = cache.k_scale_cache is not None
         code_unit = 256.0 if kernel.kv == KV_FP8 else 1.0
         table = arrays["block_table"]
@@ -988,7 +1016,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         # blockdiag); 4. a kron plan's rotate launch.
         target = out.data if in_kernel else _buffer(plan, "out", rows, device)
         target_dtype = out.dtype if in_kernel else np.dtype(np.float32)   # out.data: raw storage of bf16
-        merge = plan.function("merge_splits", {"KVC_OUT_T": formats.CPP_TYPES[target_dtype]})
+        merge = plan.merge_function(target_dtype)
         split_warps = merge_split_warps(plan.num_splits)
         merge((-(-num_tokens * num_heads * split_warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
               (part_out, part_stats, sink_logits if sink_logits is not None else null,

@@ -1,0 +1,132 @@
+"""What the host pays for the pieces of a kvcupy call on a GPU (microseconds,
+median of 7 rounds of 2000 repetitions), to see where tools/host_overhead.py's
+time goes: device and stream switches, torch tensors through DLPack or straight
+from their pointers, CuPy kernel launches by argument count, and one decode
+call with its arguments checked (kvcupy.paged_attention) or handed to the
+backend ready-made.
+
+    PYTHONPATH=. python3 tools/host_primitives.py
+
+Prints one JSON line a primitive. Launches queue behind a hold kernel, so none waits for the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import cupy
+import numpy as np
+import torch
+
+import kvcupy as kc
+from kvcupy import interop, jit
+
+SOURCE = r"""
+extern "C" __global__ void few(const float* a, float* b, int n, float s) {
+  if (threadIdx.x == 0 && n < 0) b[0] = a[0] * s;
+}
+extern "C" __global__ void many(ARGS) {
+  if (threadIdx.x == 0 && n0 < 0) b0[0] = 1.f;
+}
+"""
+
+
+def many_signature(count: int) -> tuple[str, list]:
+    """A kernel signature of `count` arguments in the attention launch's mix (a pointer,
+    then int64, int32 and float32 in turn) and matching host values."""
+    parameters, values = ["float* b0", "int n0"], [cupy.zeros(1, cupy.float32), np.int32(1)]
+    kinds = [("const void*", lambda: cupy.zeros(1, cupy.float32)), ("long long", lambda: np.int64(3)),
+             ("int", lambda: np.int32(2)), ("float", lambda: np.float32(0.5))]
+    for index in range(count - 2):
+        kind, make = kinds[index % 4]
+        parameters.append(f"{kind} x{index}")
+        values.append(make())
+    return ", ".join(parameters), values
+
+
+def timed(function, repeats: int = 2000) -> float:
+    rounds = []
+    for _ in range(7):
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            function()
+        rounds.append((time.perf_counter() - begin) * 1e6 / repeats)
+        cupy.cuda.get_current_stream().synchronize()
+    return statistics.median(rounds)
+
+
+def report(name: str, microseconds: float) -> None:
+    print(json.dumps({"primitive": name, "us": round(microseconds, 2)}), flush=True)
+
+
+def main() -> None:
+    hold = jit.get_function("hold_stream", "hold_stream", {})
+    signature, values = many_signature(56)
+    module = cupy.RawModule(code=SOURCE.replace("ARGS", signature))
+    few, many = module.get_function("few"), module.get_function("many")
+    a, b = cupy.zeros(1, cupy.float32), cupy.zeros(1, cupy.float32)
+    x = torch.randn((32, 32, 128), device="cuda", dtype=torch.bfloat16)
+
+    def hold_for(seconds: float):
+        hold((1,), (1,), (np.uint64(int(seconds * 1e9)),))
+
+    device = cupy.cuda.Device(0)
+
+    def cupy_device():
+        with device:
+            pass
+    report("with cupy.cuda.Device(0): pass", timed(cupy_device))
+
+    def torch_device():
+        with torch.cuda.device(0):
+            pass
+    report("with torch.cuda.device(0): pass", timed(torch_device))
+    report("torch.cuda.current_stream(0).cuda_stream", timed(lambda: torch.cuda.current_stream(0).cuda_stream))
+    stream = cupy.cuda.get_current_stream()
+
+    def running():
+        with interop.running_like(x):
+            pass
+    report("interop.running_like(torch tensor): enter + exit", timed(running))
+
+    def as_array():
+        with interop.running_like(x):
+            interop.as_array(x, "x")
+    report("running_like + interop.as_array(torch bf16)", timed(as_array))
+
+    def raw_view():
+        view = x.view(torch.int16)
+        memory = cupy.cuda.UnownedMemory(view.data_ptr(), view.untyped_storage().nbytes(), view, 0)
+        cupy.ndarray(tuple(view.shape), cupy.int16, cupy.cuda.MemoryPointer(memory, 0),
+                     tuple(2 * s for s in view.stride()))
+    report("cupy.ndarray from a torch pointer", timed(raw_view))
+
+    def x_dlpack():
+        x.__dlpack__(stream=stream.ptr or 1)
+    report("torch __dlpack__(stream)", timed(x_dlpack))
+
+    hold_for(1.0)
+    report("launch, 4 arguments", timed(lambda: few((1,), (32,), (a, b, np.int32(1), np.float32(2.0))), 500))
+    cupy.cuda.get_current_stream().synchronize()
+    hold_for(1.0)
+    report("launch, 56 arguments", timed(lambda: many((1,), (32,), tuple(values)), 500))
+    cupy.cuda.get_current_stream().synchronize()
+
+    num_seqs, seq_len, pages = 32, 1024, 64
+    table = np.arange(num_seqs * pages, dtype=np.int32).reshape(num_seqs, pages)
+    batch = kc.plan_batch(block_table=table, seq_lens=np.full(num_seqs, seq_len, np.int32), block_size=16,
+                          num_blocks=num_seqs * pages, num_query_tokens=num_seqs)
+    cache = kc.allocate_cache(num_seqs * pages, 16, 8, 128, kv_dtype="int4_per_token_head", device="cuda")
+    query = cupy.random.standard_normal((num_seqs, 32, 128), dtype=cupy.float32).astype(cupy.float16)
+    out = cupy.empty_like(query)
+    kc.paged_attention(query, cache, batch=batch, out=out)
+    hold_for(2.0)
+    report("kvcupy.paged_attention, CuPy fp16, decode 32 x 1024 int4",
+           timed(lambda: kc.paged_attention(query, cache, batch=batch, out=out), 300))
+    cupy.cuda.get_current_stream().synchronize()
+
+
+if __name__ == "__main__":
+    main()
