@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,8 +257,7 @@ def _torch_device_view(x, device: Device, backend):
     raw = _torch_view_dtypes().get(x.dtype)
     if raw is None or x.requires_grad or x.numel() == 0 or not x.is_cuda or x.layout is not _torch_strided():
         return None
-    import torch
-    if int(torch.cuda.current_stream(device.index).cuda_stream) != backend.current_stream(device):
+    if not _torch_stream_is_current(device, backend):
         return None
     storage, logical = raw
     data = backend.device_view(x.data_ptr(), tuple(x.shape), storage, tuple(x.stride()), x, device)
@@ -504,6 +504,8 @@ class running_on:
             ptr = self.source.stream()
             if ptr is not None:
                 self._enter(_cupy_stream(ptr, device.index))
+                if self.source.framework == "torch":
+                    self._enter(_TorchStreamEntered(device.index, ptr))
         return self
 
     def _enter(self, context) -> None:
@@ -514,6 +516,36 @@ class running_on:
         while self.entered:
             self.entered.pop().__exit__(*exc)
         return False
+
+
+_entered = threading.local()
+
+
+class _TorchStreamEntered:
+    """Notes, for this thread, the torch stream a `running_on` made CuPy's current one
+    on a device, so that `_torch_device_view` need not ask torch again."""
+
+    def __init__(self, device_index: int, ptr: int):
+        self.stream = (device_index, ptr)
+
+    def __enter__(self):
+        if not hasattr(_entered, "torch_streams"):
+            _entered.torch_streams = []
+        _entered.torch_streams.append(self.stream)
+
+    def __exit__(self, *exc):
+        _entered.torch_streams.pop()
+
+
+def _torch_stream_is_current(device: Device, backend) -> bool:
+    """Whether torch's current stream on `device` is CuPy's current one: known without
+    asking torch where the innermost `running_on` made it so."""
+    current = backend.current_stream(device)
+    streams = getattr(_entered, "torch_streams", None)
+    if streams and streams[-1] == (device.index, current):
+        return True
+    import torch
+    return int(torch.cuda.current_stream(device.index).cuda_stream) == current
 
 
 def running_like(x):
