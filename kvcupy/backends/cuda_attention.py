@@ -231,7 +231,7 @@ class Kernel:
         by_warps = max(1, (16 if self.quads == 1 and self.head_pad <= 128 else 8) // self.heads)
         return min(by_shared, by_warps)
 
-    @functools.cached_property
+    @property
     def defines(self) -> dict:
         return {"KVC_ATTN_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_HEADS": self.heads,
                 "KVC_QUADS": self.quads, "KVC_TILE": self.tile, "KVC_STAGES": self.stages,
@@ -339,7 +339,7 @@ class PrefillKernel:
         """The arch to compile for: sm_90a for wgmma, else the device's own."""
         return "sm_90a" if self.wgmma else None
 
-    @functools.cached_property
+    @property
     def defines(self) -> dict:
         defines = {"KVC_PREFILL_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_WARPS": self.warps,
                    "KVC_TILE": self.tile, "KVC_STAGES": self.stages, "KVC_CHUNK": self.chunk,
