@@ -495,7 +495,9 @@ class running_on:
 
     def __enter__(self):
         device = self.device
-        if device.kind != "cpu" and _launches_through_cupy(device):
+        if device.kind == "cpu" or not _launches_through_cupy(device):
+            return self
+        try:
             import cupy
             self._enter(cupy.cuda.Device(device.index))
             if self.source.framework == "torch":
@@ -506,6 +508,9 @@ class running_on:
                 self._enter(_cupy_stream(ptr, device.index))
                 if self.source.framework == "torch":
                     self._enter(_TorchStreamEntered(device.index, ptr))
+        except BaseException:   # what was entered is left again, as `with` will not
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def _enter(self, context) -> None:

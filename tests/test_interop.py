@@ -371,6 +371,22 @@ def test_running_on_makes_the_device_current_then_the_callers_stream(monkeypatch
     assert fake_cupy.log == ["work"]
 
 
+def test_running_on_leaves_the_device_again_when_the_stream_cannot_be_had(monkeypatch):
+    """A failure while switching (the caller's stream cannot be asked for) leaves
+    what was already entered, and the error reaches the caller."""
+    fake_cupy = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(interop, "_launches_through_cupy", lambda device: True)
+
+    def unavailable(source):
+        raise RuntimeError("no stream")
+    monkeypatch.setattr(interop.StreamSource, "stream", unavailable)
+    with pytest.raises(RuntimeError, match="no stream"):
+        with interop.running_on(interop.Device("cuda", 1), interop.StreamSource("test", 0xBEEF)):
+            fake_cupy.log.append("work")
+    assert fake_cupy.log == [("enter", "device", 1), ("exit", "device", 1)]
+
+
 def test_stream_sources_follow_the_framework():
     torch = pytest.importorskip("torch")
     jax = pytest.importorskip("jax")
