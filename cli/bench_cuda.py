@@ -960,14 +960,16 @@ def tables(report: dict) -> RichGroup:
               f"L2 {device['l2_bytes'] / 2**20:.0f} MiB), {report['model_dtype']} inputs, block size "
               f"{report['block_size']}; median of CUDA-event times over {report['timing']['rounds']} rounds. "
               "TB/s: bytes the case must read and write / time. vs SDPA: SDPA time / kvcupy time "
-              "(> 1: kvcupy faster); vs copy, vs stream: kvcupy TB/s / theirs.")
+              "(> 1: kvcupy faster); vs copy, vs stream: kvcupy TB/s / theirs. host ms: the host's "
+              f"time to issue one call ({HOST_PROBE_CALLS} calls after warm-up), which the GPU times leave "
+              "out: where it exceeds ms, eager calls wait on the host.")
     parts: list[Any] = [header]
-    columns = ("case", "ms", "TB/s", "TFLOP/s", "vs SDPA", "vs copy", "vs stream")
+    columns = ("case", "ms", "TB/s", "TFLOP/s", "vs SDPA", "vs copy", "vs stream", "host ms")
     for group in report["groups"]:
         rows = [(record["name"], _number(record["median_ms"], ".3f"), _number(record["tb_per_s"], ".2f"),
                  _number(record["tflop_per_s"], ".1f"), _number(record.get("speedup_vs_sdpa"), ".2f", "x"),
                  _number(record.get("bandwidth_vs_copy"), ".0%"),
-                 _number(record.get("bandwidth_vs_stream"), ".0%"))
+                 _number(record.get("bandwidth_vs_stream"), ".0%"), _number(record.get("host_ms"), ".3f"))
                 for record in _shown(group["cases"])]
         # A column no case of the group fills (TFLOP/s of a copy group, vs stream of prefill) is left out.
         kept = [i for i, column in enumerate(columns) if i < 3 or any(row[i] != "-" for row in rows)]

@@ -402,6 +402,14 @@ def test_tables_show_the_report(fake_report):
     assert "targets" in text
 
 
+def test_tables_show_each_calls_host_time(fake_report):
+    """The host's time to issue a call (host_ms) sits beside the GPU time it is left out of."""
+    text = rendered({**fake_report, "groups": [group_of(fake_report, "decode", DECODE_MAIN)]})
+    assert "host ms" in text
+    int4_row = next(line for line in text.splitlines() if line.strip().startswith("kvcupy int4"))
+    assert int4_row.split()[-1] == "0.050"
+
+
 def test_tables_show_the_streaming_ceiling_alone(fake_report):
     text = rendered({**fake_report, "groups": [group_of(fake_report, "decode", DECODE_MAIN)]})
     assert "stream int4, 512 splits" in text and "stream int4, 64 splits" not in text
