@@ -254,19 +254,15 @@ def _torch_device_view(x, device: Device, backend):
     the tensor alive, as DLPack's capsule would."""
     if not hasattr(backend, "device_view"):
         return None
+    import torch
     raw = _torch_view_dtypes().get(x.dtype)
-    if raw is None or x.requires_grad or x.numel() == 0 or not x.is_cuda or x.layout is not _torch_strided():
+    if raw is None or x.requires_grad or x.numel() == 0 or not x.is_cuda or x.layout is not torch.strided:
         return None
     if not _torch_stream_is_current(device, backend):
         return None
     storage, logical = raw
     data = backend.device_view(x.data_ptr(), tuple(x.shape), storage, tuple(x.stride()), x, device)
     return data, logical
-
-
-def _torch_strided():
-    import torch
-    return torch.strided
 
 
 def _host_view(x, name: str) -> tuple[np.ndarray, np.dtype]:

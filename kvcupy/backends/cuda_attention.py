@@ -660,6 +660,7 @@ class Plan:
     strides: dict = field(default_factory=dict)
     functions: dict = field(default_factory=dict)
     rotations: dict = field(default_factory=dict)
+    builds: dict = field(default_factory=dict)   # for_query's builds, by query dtype and rotation
 
     def rotation_operands(self, rotation, head_pad: int, kv: int, device):
         """rotation_fragments on the device, made once per plan and rotation."""
@@ -685,9 +686,9 @@ class Plan:
             self.functions[key] = function
         return self.functions[key]
 
-    # The per-call lookups below are memoised in `functions` too, by keys of their
-    # own: a layer's call then builds no defines and sorts nothing (host time;
-    # tools/host_overhead.py).
+    # The per-call lookups below are memoised by keys of their own (functions in
+    # `functions`, builds in `builds`): a layer's call then builds no defines and
+    # sorts nothing (host time; tools/host_overhead.py).
     def entry_function(self, kernel):
         """`function` of the attention build `kernel`'s own entry."""
         function = self.functions.get(kernel)
@@ -706,10 +707,10 @@ class Plan:
 
     def for_query(self, query_dtype, rotation):
         """The plan's kernel's for_query build for this query dtype and rotation."""
-        key = ("for_query", query_dtype, rotation)
-        kernel = self.functions.get(key)
+        key = (query_dtype, rotation)
+        kernel = self.builds.get(key)
         if kernel is None:
-            kernel = self.functions[key] = self.kernel.for_query(query_dtype, rotation)
+            kernel = self.builds[key] = self.kernel.for_query(query_dtype, rotation)
         return kernel
 
 
