@@ -105,6 +105,7 @@ __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
 typedef Attention<KVC_ATTN_KV, KVC_HEAD_PAD, KVC_HEADS, KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK> Kernel;
 
 extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS, KVC_MIN_BLOCKS) paged_attention(KVC_ATTENTION_ARGS) {
+  allow_dependent_launch();   // the merge's blocks wait for this grid's results
   Kernel::run(KVC_ATTENTION_PARAMS, block_shift);
 }
 #endif
@@ -128,6 +129,7 @@ typedef Prefill<KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, K
     PrefillKernel;
 
 extern "C" __global__ void __launch_bounds__(32 * KVC_WARPS, KVC_MIN_BLOCKS) prefill_attention(KVC_ATTENTION_ARGS) {
+  allow_dependent_launch();   // the merge's blocks wait for this grid's results
   PrefillKernel::run(KVC_ATTENTION_PARAMS, block_shift);
 }
 #endif

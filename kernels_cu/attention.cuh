@@ -1497,6 +1497,22 @@ struct Attention {
   }
 };
 
+// Programmatic dependent launch (sm_90; cuda_launch.py): the merge is launched
+// so that its blocks may start while the attention grid still runs. The
+// attention kernel allows that at its start; the merge waits for the grid
+// ahead of it (its results visible) before reading them. Launched plainly,
+// both are no-ops.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(KVC_NO_PTX)
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(KVC_NO_PTX)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Combine the splits' partial states of every (query token, head) row:
 // out = sum_s o_s e^{m_s - M} / (sum_s l_s e^{m_s - M} + e^{sink - M}),
 // rotated back where sign_shift >= 0 (blockdiag: H_b on every block of
@@ -1531,19 +1547,23 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
   u32 sign_words[kMergeSlots];
   float total = 0.f;
   if (active) {
-    // Every load that waits on nothing goes out first (the first split's
-    // values, the statistics of splits lane, lane + 32, ..., the sink, the
-    // sign words): one after another they made the merge a chain of memory
+    // Every load that waits on nothing goes out first (the sink, the sign
+    // words, the first split's values, the statistics of splits lane, lane +
+    // 32, ...): one after another they made the merge a chain of memory
     // latencies, 9.5 us for 1024 rows of 8 splits, 8.4 issued first (H200, ncu).
+    // The sinks and signs come from before the attention grid, which began
+    // only after them: they need no wait.
+    const bool has_sink = sinks != nullptr;
+    const float sink = has_sink ? sinks[row % num_heads] : -KVC_INFINITY;
+#pragma unroll
+    for (int k = 0; k < kMergeSlots; ++k) sign_words[k] = sign_shift >= 0 ? __ldg(signs + k) : 0u;
+    wait_for_prerequisites();
+    trace_mark(kTraceLoop);   // the attention grid's results visible
     const float* first_row = part_out + (phase * rows + row) * head_size;
 #pragma unroll
     for (int k = 0; k < kMergeSlots; ++k) merged[k] = lane + 32 * k < head_size ? first_row[lane + 32 * k] : 0.f;
     const float2* stats = reinterpret_cast<const float2*>(part_stats);   // (max, sum) a split and row
     const float2 own = lane < num_splits ? stats[lane * rows + row] : make_float2(-KVC_INFINITY, 0.f);
-    const bool has_sink = sinks != nullptr;
-    const float sink = has_sink ? sinks[row % num_heads] : -KVC_INFINITY;
-#pragma unroll
-    for (int k = 0; k < kMergeSlots; ++k) sign_words[k] = sign_shift >= 0 ? __ldg(signs + k) : 0u;
 
     float peak = own.x;
     for (int s = lane + 32; s < num_splits; s += 32) peak = fmaxf(peak, stats[s * rows + row].x);

@@ -612,6 +612,42 @@ def test_int4_decode_with_64_token_tiles(seq_lens, block_size, rotation, options
     check(f"long tiles {seq_lens} B={block_size} {rotation} {options}", out, expected, np.float32)
 
 
+@pytest.mark.parametrize("seq_lens,query_lens", [((32768, 8192, 300, 5000), (1, 1, 1, 1)),
+                                                   ((8192, 6000), (256, 128))], ids=["decode", "chunked"])
+def test_dependent_merge_waits_for_the_splits(seq_lens, query_lens, monkeypatch):
+    """The merge launched as a programmatic dependent (sm_90: cuda_launch; its
+    blocks may start while the attention grid runs) reads the splits' finished
+    states: calls alternating between two queries on one plan (one workspace,
+    so a merge that read too early would find the other query's states) equal
+    the plainly launched merge's bit for bit, and the oracle's."""
+    rng = np.random.default_rng(sum(seq_lens))
+    batch = paged_batch(rng, list(seq_lens), list(query_lens), 16)
+    cache = host_cache(rng, batch, "int4_per_token_head", 128, 8, 16, np.float16, "default")
+    queries = [(rng.standard_normal((batch.num_queries, 32, 128)) * 2).astype(np.float16) for _ in range(2)]
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    view = device_view(cache)
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    device_queries = [cupy.asarray(query) for query in queries]
+
+    def outputs(dependent: bool) -> list:
+        monkeypatch.setattr(cuda_attention, "DEPENDENT_MERGE", dependent)
+        results = [cupy.asnumpy(kc.paged_attention(device_queries[call % 2], view, batch=planned))
+                   for call in range(6)]
+        cupy.cuda.get_current_stream().synchronize()
+        return results
+
+    plain, dependent = outputs(False), outputs(True)
+    (plan,) = planned._backend_plans.values()
+    assert plan.num_splits > 1, plan
+    capability = int(cupy.cuda.Device().compute_capability)
+    assert plan.dependent_merge == (capability >= 90)
+    for call, (want, got) in enumerate(zip(plain, dependent)):
+        assert np.array_equal(want, got), f"call {call}: the dependent merge's output differs"
+    for which, query in enumerate(queries):
+        expected = reference.paged_attention(query, cache, **args)
+        check(f"query {which}", dependent[which].astype(np.float64), expected, np.float16)
+
+
 def test_one_batch_plan_serves_caches_of_every_format():
     """A batch planned once and passed with caches of other KV dtypes: each call
     gets its own kernel (the plan is keyed by the cache's format and layout)."""

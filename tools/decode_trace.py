@@ -9,7 +9,8 @@ of the traced build, one call runs on an idle GPU; times are in microseconds
 from the first attention block's start. Prints percentiles of each block's
 phases (prologue and its steps, first tile's wait, tile loop, epilogue), when
 half and three quarters of its tiles were in, when blocks start and end (and
-per multiprocessor), the merge's span, and writes trace-KV_DTYPE-BxL.json
+per multiprocessor), the merge's span (with its blocks' wait for the attention
+grid's results over: merge_waited), and writes trace-KV_DTYPE-BxL.json
 (every stamp) to $OUT (or the current folder). The stamps cost a few
 instructions a block; the timer ticks in tens of nanoseconds or more, so read
 microseconds, not less.
@@ -115,6 +116,9 @@ def main() -> None:
         merge = merge[used]
         report["merge_blocks"] = int(used.sum())
         report["merge_start"] = percentiles(us(START, merge))
+        # A dependent merge's blocks start early and wait in the kernel (LOOP: the wait over).
+        waited = merge[merge[:, LOOP] > 0]
+        report["merge_waited"] = percentiles(us(LOOP, waited)) if len(waited) else None
         report["merge_done"] = percentiles(us(DONE, merge))
     for name, value in report.items():
         print(f"{name:>15}: {value}")

@@ -4,7 +4,10 @@ A decode call is two launches on the caller's stream, none of which waits
 for the host: the attention kernel reads the caller's query, scales and
 rotates it (blockdiag: butterflies in a warp) and writes each split's
 partial softmax state; the merge kernel combines the splits (and the
-sinks), rotates back and writes `out`. A kron plan's mix takes the rotate
+sinks), rotates back and writes `out` (on sm_90 and newer it is launched
+as a programmatic dependent, its blocks waiting in the kernel for the
+attention grid's results instead of behind the launch: cuda_launch.py). A
+kron plan's mix takes the rotate
 kernel instead, before (the query, to float32) and after (the merged rows):
 four launches. The prefill kernel reads the caller's query and rotates it
 itself (mma products with the rotation's fragments, `rotation_fragments`);
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import formats, jit
+from . import cuda_launch
 from ..rotation import query_divisor, sylvester
 
 # attention.cuh's KV_* codes.
@@ -55,6 +59,9 @@ ROW_STAGING = True   # row copies rather than bulk copies where both fit
 ROW_STAGING_MIN_STAGES = 3
 MAX_SPLITS = 256         # attention.cuh: kMergeMaxSplits
 MERGE_WARPS = 8          # attention.cuh: kMergeWarps (split_warps of them a row)
+# sm_90 and newer: the merge's blocks may start before the attention grid ends
+# (cuda_launch.py); False launches it plainly (tools/decode_variants.py's A/B).
+DEPENDENT_MERGE = True
 # Four quads (16 query rows a warp) double the accumulators of two: above this
 # head size they spill even at 255 registers, so larger heads take more row tiles.
 MAX_HEAD_PAD_FOUR_QUADS = 128
@@ -661,6 +668,7 @@ class Plan:
     functions: dict = field(default_factory=dict)
     rotations: dict = field(default_factory=dict)
     builds: dict = field(default_factory=dict)   # for_query's builds, by query dtype and rotation
+    dependent_merge: bool = False   # the merge launched as a programmatic dependent (cuda_launch)
 
     def rotation_operands(self, rotation, head_pad: int, kv: int, device):
         """rotation_fragments on the device, made once per plan and rotation."""
@@ -769,7 +777,8 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
         return -(-longest // split_tokens), split_tokens
 
     kernel, splits, split_tokens = _fit_tile_to_splits(kernel, split_keys)
-    return Plan(kernel, _upload(tiles, device), len(tiles), splits, split_tokens, head_groups)
+    return Plan(kernel, _upload(tiles, device), len(tiles), splits, split_tokens, head_groups,
+                dependent_merge=capability >= cuda_launch.MIN_COMPUTE_CAPABILITY)
 
 
 def _prefill_kernel(kv: int, head_pad: int, chunk: int, capability: int, longest: int,
@@ -1019,11 +1028,17 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         target_dtype = out.dtype if in_kernel else np.dtype(np.float32)   # out.data: raw storage of bf16
         merge = plan.merge_function(target_dtype)
         split_warps = merge_split_warps(plan.num_splits)
-        merge((-(-num_tokens * num_heads * split_warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
-              (part_out, part_stats, sink_logits if sink_logits is not None else null,
-               target, np.int32(plan.num_splits), np.int32(num_tokens), np.int32(num_heads),
-               np.int32(head_size), np.int32(split_warps), *signs,
-               np.float32(1.0 / (rotation.norm if rotated else 1))))
+        merge_grid = (-(-num_tokens * num_heads * split_warps // MERGE_WARPS),)
+        merge_args = (part_out, part_stats, sink_logits if sink_logits is not None else null,
+                      target, np.int32(plan.num_splits), np.int32(num_tokens), np.int32(num_heads),
+                      np.int32(head_size), np.int32(split_warps), *signs,
+                      np.float32(1.0 / (rotation.norm if rotated else 1)))
+        if plan.dependent_merge and DEPENDENT_MERGE:
+            # Its blocks start as the attention's leave, not after the launch gap.
+            cuda_launch.launch_dependent(merge, merge_grid, (32 * MERGE_WARPS,), merge_args,
+                                         stream=cupy.cuda.get_current_stream().ptr)
+        else:
+            merge(merge_grid, (32 * MERGE_WARPS,), merge_args)
         if not in_kernel:
             _rotate_rows(target.reshape(-1, head_size), out.data.reshape(-1, head_size),
                          rotation, inverse=True, divisor=float(rotation.norm),
