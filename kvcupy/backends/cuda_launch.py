@@ -88,13 +88,15 @@ def launch_config(grid: tuple, block: tuple, shared_bytes: int, stream: int) -> 
 
 def launch_dependent(function, grid: tuple, block: tuple, args: tuple, *, stream: int,
                      shared_bytes: int = 0) -> None:
-    """Launches CuPy `function` (a cupy.cuda.Function) on `stream` (a handle) as a
-    programmatic dependent of the kernel queued before it."""
+    """Launches `function` (a cupy.RawKernel, as jit.get_function gives, or a
+    cupy.cuda.Function) on `stream` (a handle) as a programmatic dependent of the
+    kernel queued before it."""
     values = [c_argument(value) for value in args]
     pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(value) for value in values))
     config = launch_config(grid, block, shared_bytes, stream)
     driver = _driver()
-    result = driver.cuLaunchKernelEx(ctypes.byref(config), function.ptr, pointers, None)
+    handle = getattr(function, "kernel", function).ptr   # RawKernel.kernel: the current device's CUfunction
+    result = driver.cuLaunchKernelEx(ctypes.byref(config), handle, pointers, None)
     if result != 0:
         name = ctypes.c_char_p()
         driver.cuGetErrorName(result, ctypes.byref(name))
