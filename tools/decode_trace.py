@@ -70,8 +70,8 @@ def main() -> None:
     case = decode_case(kv_dtype, shape, np.random.default_rng(0))
     plain = cuda_attention.Plan.function
 
-    def traced(self, name, defines):
-        return plain(self, name, {**defines, "KVC_TRACE": TRACE_BLOCKS})
+    def traced(self, name, defines, kernel=None):
+        return plain(self, name, {**defines, "KVC_TRACE": TRACE_BLOCKS}, kernel)
 
     cuda_attention.Plan.function = traced
     batch = kc.plan_batch(block_table=case["table"], seq_lens=np.full(shape["batch"], shape["context"], np.int32),
