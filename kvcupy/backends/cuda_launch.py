@@ -4,7 +4,7 @@ kernel ahead of it in the stream is still running (sm_90 and newer).
 CuPy's `Function.__call__` takes no launch attributes, so these launches go
 through the driver's `cuLaunchKernelEx` (ctypes, libcuda: no new dependency)
 with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION set. The kernel so
-launched must execute `griddepcontrol.wait` (common.cuh, `wait_for_prerequisites`)
+launched must execute `griddepcontrol.wait` (attention.cuh, `wait_for_prerequisites`)
 before it reads anything the kernel ahead of it writes; the kernel ahead lets
 it start early with `griddepcontrol.launch_dependents` (`allow_dependent_launch`).
 Without that attribute both instructions are no-ops, so one build serves both
