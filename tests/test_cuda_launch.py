@@ -4,6 +4,7 @@ ctypes layouts must match cuda.h's (CUDA 12 and 13), or the driver reads garbage
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import numpy as np
 import pytest
@@ -35,19 +36,24 @@ class FakeDeviceArray:
         ptr = 0xDEAD0000
 
 
-@pytest.mark.parametrize("value,c_type,expected", [
-    (np.int32(-7), ctypes.c_int32, -7),
-    (np.int64(1 << 40), ctypes.c_int64, 1 << 40),
-    (np.uintp(0), ctypes.c_uint64, 0),
-    (np.float32(0.5), ctypes.c_float, 0.5),
-    (FakeDeviceArray(), ctypes.c_void_p, 0xDEAD0000),
-])
-def test_arguments_take_their_c_types(value, c_type, expected):
-    argument = cuda_launch.c_argument(value)
-    assert isinstance(argument, c_type) and argument.value == expected
+def test_parameters_sit_at_their_natural_alignment():
+    # merge_splits: four pointers, five ints, a pointer (padded to 8), an int, a float.
+    layout = cuda_launch.parameter_layout("PPPPiiiiiPif")
+    assert layout.size == 72
+    packed = cuda_launch.pack_parameters("PPPPiiiiiPif", (
+        FakeDeviceArray(), np.uintp(0), np.uintp(0x10), FakeDeviceArray(), np.int32(4), np.int32(-2), np.int32(32),
+        np.int32(128), np.int32(1), np.uintp(0x20), np.int32(-1), np.float32(0.5)))
+    assert struct.unpack_from("<4Q5i", packed, 0) == (0xDEAD0000, 0, 0x10, 0xDEAD0000, 4, -2, 32, 128, 1)
+    assert packed[52:56] == bytes(4)   # padding before the pointer
+    assert struct.unpack_from("<Qif", packed, 56) == (0x20, -1, 0.5)
+    # int64 and double after an int: padded to 8 as well.
+    assert cuda_launch.parameter_layout("iqid").size == 32
 
 
-@pytest.mark.parametrize("value", [3, 0.5, np.float16(1), None])
-def test_arguments_without_a_c_type_are_refused(value):
-    with pytest.raises(TypeError, match="kernel argument"):
-        cuda_launch.c_argument(value)
+def test_bad_signatures_and_arguments_are_refused():
+    with pytest.raises(ValueError, match="no parameter code 'x'"):
+        cuda_launch.parameter_layout("Pxi")
+    with pytest.raises(ValueError, match="takes 2 arguments, not 1"):
+        cuda_launch.pack_parameters("Pi", (np.uintp(0),))
+    with pytest.raises(TypeError, match="neither a device array nor an address"):
+        cuda_launch.pack_parameters("P", (None,))

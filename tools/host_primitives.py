@@ -1,9 +1,9 @@
 """What the host pays for the pieces of a kvcupy call on a GPU (microseconds,
 median of 7 rounds of 2000 repetitions), to see where tools/host_overhead.py's
 time goes: device and stream switches, torch tensors through DLPack or straight
-from their pointers, CuPy kernel launches by argument count, and one decode
-call with its arguments checked (kvcupy.paged_attention) or handed to the
-backend ready-made.
+from their pointers, CuPy kernel launches by argument count (12, the merge's,
+also as a programmatic dependent through cuda_launch), and one decode call
+(kvcupy.paged_attention, its merge launched plainly and as a dependent).
 
     PYTHONPATH=. python3 tools/host_primitives.py
 
@@ -24,6 +24,7 @@ import torch
 
 import kvcupy as kc
 from kvcupy import interop, jit
+from kvcupy.backends import cuda_attention, cuda_launch
 
 SOURCE = r"""
 extern "C" __global__ void few(const float* a, float* b, int n, float s) {
@@ -35,17 +36,19 @@ extern "C" __global__ void many(ARGS) {
 """
 
 
-def many_signature(count: int) -> tuple[str, list]:
+def many_signature(count: int) -> tuple[str, list, str]:
     """A kernel signature of `count` arguments in the attention launch's mix (a pointer,
-    then int64, int32 and float32 in turn) and matching host values."""
-    parameters, values = ["float* b0", "int n0"], [cupy.zeros(1, cupy.float32), np.int32(1)]
-    kinds = [("const void*", lambda: cupy.zeros(1, cupy.float32)), ("long long", lambda: np.int64(3)),
-             ("int", lambda: np.int32(2)), ("float", lambda: np.float32(0.5))]
+    then int64, int32 and float32 in turn), matching host values, and cuda_launch's
+    parameter codes for them."""
+    parameters, values, codes = ["float* b0", "int n0"], [cupy.zeros(1, cupy.float32), np.int32(1)], "Pi"
+    kinds = [("const void*", "P", lambda: cupy.zeros(1, cupy.float32)), ("long long", "q", lambda: np.int64(3)),
+             ("int", "i", lambda: np.int32(2)), ("float", "f", lambda: np.float32(0.5))]
     for index in range(count - 2):
-        kind, make = kinds[index % 4]
+        kind, code, make = kinds[index % 4]
         parameters.append(f"{kind} x{index}")
         values.append(make())
-    return ", ".join(parameters), values
+        codes += code
+    return ", ".join(parameters), values, codes
 
 
 def timed(function, repeats: int = 2000) -> float:
@@ -65,7 +68,7 @@ def report(name: str, microseconds: float) -> None:
 
 def main() -> None:
     hold = jit.get_function("hold_stream", "hold_stream", {})
-    signature, values = many_signature(56)
+    signature, values, _ = many_signature(56)
     module = cupy.RawModule(code=SOURCE.replace("ARGS", signature))
     few, many = module.get_function("few"), module.get_function("many")
     a, b = cupy.zeros(1, cupy.float32), cupy.zeros(1, cupy.float32)
@@ -115,6 +118,17 @@ def main() -> None:
     hold_for(1.0)
     report("launch, 56 arguments", timed(lambda: many((1,), (32,), tuple(values)), 500))
     cupy.cuda.get_current_stream().synchronize()
+    # The merge's launch: 12 arguments, through CuPy or as a programmatic dependent.
+    signature_12, values_12, codes_12 = many_signature(12)
+    twelve = cupy.RawModule(code=SOURCE.replace("ARGS", signature_12)).get_function("many")
+    hold_for(1.0)
+    report("launch, 12 arguments", timed(lambda: twelve((1,), (32,), tuple(values_12)), 500))
+    cupy.cuda.get_current_stream().synchronize()
+    hold_for(1.0)
+    report("launch as a dependent (cuda_launch), 12 arguments",
+           timed(lambda: cuda_launch.launch_dependent(twelve, (1,), (32,), codes_12, tuple(values_12),
+                                                      stream=cupy.cuda.get_current_stream().ptr), 500))
+    cupy.cuda.get_current_stream().synchronize()
 
     num_seqs, seq_len, pages = 32, 1024, 64
     table = np.arange(num_seqs * pages, dtype=np.int32).reshape(num_seqs, pages)
@@ -124,10 +138,12 @@ def main() -> None:
     query = cupy.random.standard_normal((num_seqs, 32, 128), dtype=cupy.float32).astype(cupy.float16)
     out = cupy.empty_like(query)
     kc.paged_attention(query, cache, batch=batch, out=out)
-    hold_for(2.0)
-    report("kvcupy.paged_attention, CuPy fp16, decode 32 x 1024 int4",
-           timed(lambda: kc.paged_attention(query, cache, batch=batch, out=out), 300))
-    cupy.cuda.get_current_stream().synchronize()
+    for dependent in (False, True):
+        cuda_attention.DEPENDENT_MERGE = dependent
+        hold_for(2.0)
+        report(f"kvcupy.paged_attention, CuPy fp16, decode 32 x 1024 int4, dependent merge {dependent}",
+               timed(lambda: kc.paged_attention(query, cache, batch=batch, out=out), 300))
+        cupy.cuda.get_current_stream().synchronize()
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ MERGE_WARPS = 8          # attention.cuh: kMergeWarps (split_warps of them a row
 # sm_90 and newer: the merge's blocks may start before the attention grid ends
 # (cuda_launch.py); False launches it plainly (tools/decode_variants.py's A/B).
 DEPENDENT_MERGE = True
+MERGE_SIGNATURE = "PPPPiiiiiPif"   # attention.cu's merge_splits parameters (cuda_launch's codes)
 # Four quads (16 query rows a warp) double the accumulators of two: above this
 # head size they spill even at 255 registers, so larger heads take more row tiles.
 MAX_HEAD_PAD_FOUR_QUADS = 128
@@ -1035,7 +1036,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
                       np.float32(1.0 / (rotation.norm if rotated else 1)))
         if plan.dependent_merge and DEPENDENT_MERGE:
             # Its blocks start as the attention's leave, not after the launch gap.
-            cuda_launch.launch_dependent(merge, merge_grid, (32 * MERGE_WARPS,), merge_args,
+            cuda_launch.launch_dependent(merge, merge_grid, (32 * MERGE_WARPS,), MERGE_SIGNATURE, merge_args,
                                          stream=cupy.cuda.get_current_stream().ptr)
         else:
             merge(merge_grid, (32 * MERGE_WARPS,), merge_args)

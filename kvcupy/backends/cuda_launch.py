@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 
 import numpy as np
 
@@ -53,50 +54,78 @@ _PROGRAMMATIC = _programmatic_attribute()
 def _driver():
     driver = ctypes.CDLL("libcuda.so.1")
     driver.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
-                                        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+                                        ctypes.c_void_p, ctypes.c_void_p]
     driver.cuLaunchKernelEx.restype = ctypes.c_int
     driver.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return driver
 
 
-# Kernel arguments as the driver wants them: a pointer to each value. Device
-# arrays pass their address; NumPy scalars their C type (as CuPy's launch does).
-_C_TYPES = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
-            np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.uint64): ctypes.c_uint64,
-            np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+# Kernel arguments in one buffer laid out as the kernel's parameters (the
+# driver's CU_LAUNCH_PARAM_BUFFER_POINTER form of `extra`): each at its natural
+# alignment. A signature is a string of codes, one a parameter: "P" a pointer
+# (a device array, or an integer address such as np.uintp(0) for null), "i"
+# int32, "q" int64, "I" uint32, "Q" uint64, "f" float32, "d" float64. One
+# struct.pack of the whole buffer costs the host less than a ctypes object and
+# pointer a parameter (tools/host_primitives.py).
+_SIZES = {"P": 8, "i": 4, "q": 8, "I": 4, "Q": 8, "f": 4, "d": 8}
+_BUFFER_POINTER, _BUFFER_SIZE, _END = 1, 2, 0   # CU_LAUNCH_PARAM_* (cuda.h)
 
 
-def c_argument(value):
-    """`value` as the ctypes object whose address the launch passes."""
-    if isinstance(value, np.generic):
-        c_type = _C_TYPES.get(value.dtype)
-        if c_type is None:
-            raise TypeError(f"kernel argument of dtype {value.dtype} has no C type here")
-        return c_type(value.item())
+@functools.cache
+def parameter_layout(signature: str) -> struct.Struct:
+    """The packed layout of kernel parameters `signature` (see above)."""
+    codes, offset = ["<"], 0
+    for code in signature:
+        size = _SIZES.get(code)
+        if size is None:
+            raise ValueError(f"signature {signature!r}: no parameter code {code!r}")
+        padding = -offset % size
+        codes.append("x" * padding + ("Q" if code == "P" else code))
+        offset += padding + size
+    return struct.Struct("".join(codes))
+
+
+def _address(value) -> int:
+    """A pointer parameter's value: a device array's address, or an integer address."""
+    if isinstance(value, (int, np.integer)):
+        return int(value)
     pointer = getattr(getattr(value, "data", None), "ptr", None)
     if pointer is None:
-        raise TypeError(f"kernel argument {type(value).__name__} is neither a device array nor a NumPy scalar")
-    return ctypes.c_void_p(pointer)
+        raise TypeError(f"kernel argument {type(value).__name__} is neither a device array nor an address")
+    return pointer
 
 
+def pack_parameters(signature: str, args: tuple) -> bytes:
+    """`args` packed as the kernel's parameter buffer."""
+    if len(args) != len(signature):
+        raise ValueError(f"signature {signature!r} takes {len(signature)} arguments, not {len(args)}")
+    values = [_address(value) if code == "P" else value for code, value in zip(signature, args)]
+    return parameter_layout(signature).pack(*values)
+
+
+@functools.lru_cache(maxsize=256)
 def launch_config(grid: tuple, block: tuple, shared_bytes: int, stream: int) -> LaunchConfig:
-    """The CUlaunchConfig of a programmatic-dependent launch."""
+    """The CUlaunchConfig of a programmatic-dependent launch (cached: a call's
+    grid, block and stream repeat from layer to layer)."""
     grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
     return LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, stream,
                         ctypes.pointer(_PROGRAMMATIC), 1)
 
 
-def launch_dependent(function, grid: tuple, block: tuple, args: tuple, *, stream: int,
+def launch_dependent(function, grid: tuple, block: tuple, signature: str, args: tuple, *, stream: int,
                      shared_bytes: int = 0) -> None:
     """Launches `function` (a cupy.RawKernel, as jit.get_function gives, or a
-    cupy.cuda.Function) on `stream` (a handle) as a programmatic dependent of the
-    kernel queued before it."""
-    values = [c_argument(value) for value in args]
-    pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(value) for value in values))
+    cupy.cuda.Function) with `args` of parameter `signature` on `stream` (a
+    handle) as a programmatic dependent of the kernel queued before it."""
+    packed = pack_parameters(signature, args)
+    buffer = ctypes.create_string_buffer(packed, len(packed))
+    size = ctypes.c_size_t(len(packed))
+    extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE,
+                                  ctypes.addressof(size), _END)
     config = launch_config(grid, block, shared_bytes, stream)
     driver = _driver()
     handle = getattr(function, "kernel", function).ptr   # RawKernel.kernel: the current device's CUfunction
-    result = driver.cuLaunchKernelEx(ctypes.byref(config), handle, pointers, None)
+    result = driver.cuLaunchKernelEx(ctypes.byref(config), handle, None, extra)
     if result != 0:
         name = ctypes.c_char_p()
         driver.cuGetErrorName(result, ctypes.byref(name))
