@@ -121,12 +121,13 @@ def main() -> None:
     # The merge's launch: 12 arguments, through CuPy or as a programmatic dependent.
     signature_12, values_12, codes_12 = many_signature(12)
     twelve = cupy.RawModule(code=SOURCE.replace("ARGS", signature_12)).get_function("many")
+    twelve_handle = cuda_launch.function_handle(twelve)
     hold_for(1.0)
     report("launch, 12 arguments", timed(lambda: twelve((1,), (32,), tuple(values_12)), 500))
     cupy.cuda.get_current_stream().synchronize()
     hold_for(1.0)
     report("launch as a dependent (cuda_launch), 12 arguments",
-           timed(lambda: cuda_launch.launch_dependent(twelve, (1,), (32,), codes_12, tuple(values_12),
+           timed(lambda: cuda_launch.launch_dependent(twelve_handle, (1,), (32,), codes_12, tuple(values_12),
                                                       stream=cupy.cuda.get_current_stream().ptr), 500))
     cupy.cuda.get_current_stream().synchronize()
 

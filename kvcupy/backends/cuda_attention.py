@@ -669,6 +669,7 @@ class Plan:
     functions: dict = field(default_factory=dict)
     rotations: dict = field(default_factory=dict)
     builds: dict = field(default_factory=dict)   # for_query's builds, by query dtype and rotation
+    handles: dict = field(default_factory=dict)  # merge CUfunctions for cuda_launch, by output dtype
     dependent_merge: bool = False   # the merge launched as a programmatic dependent (cuda_launch)
 
     def rotation_operands(self, rotation, head_pad: int, kv: int, device):
@@ -713,6 +714,13 @@ class Plan:
             function = self.functions[key] = self.function("merge_splits",
                                                            {"KVC_OUT_T": formats.CPP_TYPES[out_dtype]})
         return function
+
+    def merge_handle(self, out_dtype) -> int:
+        """merge_function's CUfunction, for cuda_launch's dependent launch."""
+        handle = self.handles.get(out_dtype)
+        if handle is None:
+            handle = self.handles[out_dtype] = cuda_launch.function_handle(self.merge_function(out_dtype))
+        return handle
 
     def for_query(self, query_dtype, rotation):
         """The plan's kernel's for_query build for this query dtype and rotation."""
@@ -1027,7 +1035,6 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         # blockdiag); 4. a kron plan's rotate launch.
         target = out.data if in_kernel else _buffer(plan, "out", rows, device)
         target_dtype = out.dtype if in_kernel else np.dtype(np.float32)   # out.data: raw storage of bf16
-        merge = plan.merge_function(target_dtype)
         split_warps = merge_split_warps(plan.num_splits)
         merge_grid = (-(-num_tokens * num_heads * split_warps // MERGE_WARPS),)
         merge_args = (part_out, part_stats, sink_logits if sink_logits is not None else null,
@@ -1036,10 +1043,10 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
                       np.float32(1.0 / (rotation.norm if rotated else 1)))
         if plan.dependent_merge and DEPENDENT_MERGE:
             # Its blocks start as the attention's leave, not after the launch gap.
-            cuda_launch.launch_dependent(merge, merge_grid, (32 * MERGE_WARPS,), MERGE_SIGNATURE, merge_args,
-                                         stream=cupy.cuda.get_current_stream().ptr)
+            cuda_launch.launch_dependent(plan.merge_handle(target_dtype), merge_grid, (32 * MERGE_WARPS,),
+                                         MERGE_SIGNATURE, merge_args, stream=cupy.cuda.get_current_stream().ptr)
         else:
-            merge(merge_grid, (32 * MERGE_WARPS,), merge_args)
+            plan.merge_function(target_dtype)(merge_grid, (32 * MERGE_WARPS,), merge_args)
         if not in_kernel:
             _rotate_rows(target.reshape(-1, head_size), out.data.reshape(-1, head_size),
                          rotation, inverse=True, divisor=float(rotation.norm),

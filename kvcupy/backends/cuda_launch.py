@@ -112,11 +112,18 @@ def launch_config(grid: tuple, block: tuple, shared_bytes: int, stream: int) -> 
                         ctypes.pointer(_PROGRAMMATIC), 1)
 
 
-def launch_dependent(function, grid: tuple, block: tuple, signature: str, args: tuple, *, stream: int,
+def function_handle(function) -> int:
+    """The CUfunction of `function` (a cupy.RawKernel, as jit.get_function gives,
+    or a cupy.cuda.Function) on the current device. Worth keeping: RawKernel
+    resolves the device and its module at every `.kernel`."""
+    return getattr(function, "kernel", function).ptr
+
+
+def launch_dependent(handle: int, grid: tuple, block: tuple, signature: str, args: tuple, *, stream: int,
                      shared_bytes: int = 0) -> None:
-    """Launches `function` (a cupy.RawKernel, as jit.get_function gives, or a
-    cupy.cuda.Function) with `args` of parameter `signature` on `stream` (a
-    handle) as a programmatic dependent of the kernel queued before it."""
+    """Launches kernel `handle` (function_handle) with `args` of parameter
+    `signature` on `stream` (a handle) as a programmatic dependent of the kernel
+    queued before it."""
     packed = pack_parameters(signature, args)
     buffer = ctypes.create_string_buffer(packed, len(packed))
     size = ctypes.c_size_t(len(packed))
@@ -124,7 +131,6 @@ def launch_dependent(function, grid: tuple, block: tuple, signature: str, args: 
                                   ctypes.addressof(size), _END)
     config = launch_config(grid, block, shared_bytes, stream)
     driver = _driver()
-    handle = getattr(function, "kernel", function).ptr   # RawKernel.kernel: the current device's CUfunction
     result = driver.cuLaunchKernelEx(ctypes.byref(config), handle, None, extra)
     if result != 0:
         name = ctypes.c_char_p()
