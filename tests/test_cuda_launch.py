@@ -57,3 +57,30 @@ def test_bad_signatures_and_arguments_are_refused():
         cuda_launch.pack_parameters("Pi", (np.uintp(0),))
     with pytest.raises(TypeError, match="neither a device array nor an address"):
         cuda_launch.pack_parameters("P", (None,))
+
+
+def parameter_codes(parameters: str) -> str:
+    """cuda_launch's codes of a C parameter list (the types attention.cu uses)."""
+    codes = ""
+    for parameter in parameters.replace("\\", " ").split(","):
+        declaration = " ".join(parameter.split())
+        if "*" in declaration:
+            codes += "P"
+        elif declaration.startswith("long long "):
+            codes += "q"
+        elif declaration.startswith("int "):
+            codes += "i"
+        elif declaration.startswith("float "):
+            codes += "f"
+        else:
+            raise AssertionError(f"no code for parameter {declaration!r}")
+    return codes
+
+
+def test_the_merge_signature_matches_the_kernel_source():
+    from kvcupy import jit
+    from kvcupy.backends import cuda_attention
+    source = (jit.source_dir() / "attention.cu").read_text()
+    header = source[source.index('extern "C" __global__ void merge_splits('):]
+    parameters = header[header.index("(") + 1:header.index(")")]
+    assert parameter_codes(parameters) == cuda_attention.MERGE_SIGNATURE
