@@ -45,7 +45,9 @@ SEED = 0
 
 @dataclass(frozen=True)
 class Shape:
-    """One benchmark case: decode (one new token per sequence) or causal prefill."""
+    """One benchmark case: decode (one new token per sequence) or causal prefill:
+    of each sequence's seq_len tokens the last new_tokens are the query, the
+    rest are cached (chunked prefill); new_tokens 0: the whole prompt is new."""
 
     phase: str
     num_seqs: int
@@ -53,10 +55,11 @@ class Shape:
     num_heads: int
     num_kv_heads: int
     head_size: int
+    new_tokens: int = 0
 
     @property
     def query_len(self) -> int:
-        return 1 if self.phase == "decode" else self.seq_len
+        return 1 if self.phase == "decode" else (self.new_tokens or self.seq_len)
 
     @property
     def group(self) -> int:

@@ -13,7 +13,8 @@ and, beside it:
 
 Groups: decode (batch 32 x 32768, 32/8 heads, d = 128 and 96; 32 x 8192;
 8 x 32768), the decode sweep over context lengths that `--plot` draws, causal
-prefill, the prefill sweep over prompt lengths (16384 tokens a batch, as
+prefill (4 x 8192 at d = 128 and 96, 1 x 2048, 64 x 128, and chunked: 4
+sequences of 2048 new tokens over 30720 cached), the prefill sweep over prompt lengths (16384 tokens a batch, as
 FlashAttention's benchmarks count them) that `--plot` draws too, the write
 path (`reshape_and_cache`) and `rotate`.
 
@@ -26,7 +27,8 @@ path reads K and V and writes the packed cache; rotate reads and writes each
 vector once. Index arrays (block table, slot mapping) are left out: under
 0.3% of any case of the full run. TFLOP/s = 4 * head_size * num_heads *
 (keys each query token sees, summed), i.e. 4 Lq Lk d Hq per sequence, the
-triangle for a causal prefill. A copy case copies half its partner's bytes, so it moves as
+triangle for a causal prefill (a chunked one: its cached keys in full, the new
+tokens' own triangle). A copy case copies half its partner's bytes, so it moves as
 many bytes in all and its TB/s compares with the partner's directly.
 
 Timing. CUDA events around each call, on the one stream torch and CuPy share
@@ -132,9 +134,11 @@ class Group:
     def label(self) -> str:
         s = self.shape
         if self.kind in ("decode", "prefill"):
-            causal = " causal" if self.kind == "prefill" else ""
-            return (f"{self.kind} {s.num_seqs} x {s.seq_len}{causal}, {s.num_heads}/{s.num_kv_heads} "
-                    f"heads, d = {s.head_size}")
+            if self.kind == "prefill" and s.query_len < s.seq_len:
+                tokens = f"{s.num_seqs} x {s.query_len} new over {s.seq_len - s.query_len} cached, causal"
+            else:
+                tokens = f"{s.num_seqs} x {s.seq_len}" + (" causal" if self.kind == "prefill" else "")
+            return f"{self.kind} {tokens}, {s.num_heads}/{s.num_kv_heads} heads, d = {s.head_size}"
         if self.kind == "write":
             return f"write {s.num_tokens} tokens x {s.num_kv_heads} KV heads, d = {s.head_size}"
         return f"rotate {s.num_vectors} vectors, d = {s.head_size}"
@@ -170,6 +174,7 @@ DECODE_FEW = Shape("decode", 8, 32768, 32, 8, 128)
 PREFILL_MAIN = Shape("prefill", 4, 8192, 32, 8, 128)
 PREFILL_D96 = Shape("prefill", 4, 8192, 32, 8, 96)
 PREFILL_SHORT = Shape("prefill", 64, 128, 32, 8, 128)
+PREFILL_CHUNKED = Shape("prefill", 4, 32768, 32, 8, 128, new_tokens=2048)   # 2048 new over 30720 cached
 WRITE_MAIN = WriteShape(32768, 8, 128)
 ROTATE_HEAD_SIZES = (64, 96, 128, 256)
 
@@ -195,7 +200,7 @@ class Sizes:
 FULL_SIZES = Sizes(
     decode=(DECODE_MAIN, DECODE_D96, DECODE_SHORT, DECODE_FEW),
     sweep=DECODE_MAIN, sweep_seq_lens=tuple(1024 << k for k in range(8)),   # 1k .. 128k
-    prefill=(PREFILL_MAIN, PREFILL_D96, Shape("prefill", 1, 2048, 32, 8, 128), PREFILL_SHORT),
+    prefill=(PREFILL_MAIN, PREFILL_D96, Shape("prefill", 1, 2048, 32, 8, 128), PREFILL_SHORT, PREFILL_CHUNKED),
     prefill_sweep=PREFILL_MAIN, prefill_sweep_seq_lens=tuple(512 << k for k in range(6)),   # 512 .. 16k
     prefill_sweep_tokens=16384,
     write=(WRITE_MAIN,),
@@ -204,7 +209,7 @@ FULL_SIZES = Sizes(
 QUICK_SIZES = Sizes(
     decode=(Shape("decode", 4, 2048, 8, 2, 128), Shape("decode", 4, 2048, 8, 2, 96)),
     sweep=Shape("decode", 4, 2048, 8, 2, 128), sweep_seq_lens=(512, 2048, 8192),
-    prefill=(Shape("prefill", 2, 512, 8, 2, 128),),
+    prefill=(Shape("prefill", 2, 512, 8, 2, 128), Shape("prefill", 2, 1024, 8, 2, 128, new_tokens=256)),
     prefill_sweep=Shape("prefill", 2, 512, 8, 2, 128), prefill_sweep_seq_lens=(128, 256), prefill_sweep_tokens=512,
     write=(WriteShape(2048, 2, 128),),
     rotate=(RotateShape(1 << 14, 64), RotateShape(1 << 14, 96)))
@@ -600,6 +605,9 @@ TARGETS = (
              kv, "tflop_per_s", 300.0) for kv in ("int4_per_token_head", "int8_per_token_head", "fp8_per_token_head")),
     Target("prefill int4, 64 x 128 causal, d = 128: >= 50% of SDPA bf16", "prefill", PREFILL_SHORT,
            "int4_per_token_head", "speedup_vs_sdpa", 0.5),
+    # Chunked: every cached key counted in full, the new tokens' own triangle as above.
+    Target("prefill int4, 4 x 2048 new over 30720 cached, d = 128: >= 300 TFLOP/s", "prefill", PREFILL_CHUNKED,
+           "int4_per_token_head", "tflop_per_s", 300.0),
     Target("write int4, 32768 tokens x 8 heads, d = 128: >= 70% of copy bandwidth", "write", WRITE_MAIN,
            "int4_per_token_head", "bandwidth_vs_copy", 0.7),
     *(Target(f"rotate d = {d}: >= 80% of copy bandwidth", "rotate", RotateShape(1 << 20, d), None,
@@ -814,18 +822,32 @@ class CudaRunner:
             folded = (s.num_seqs, s.num_kv_heads, s.group, s.head_size)
             calls = [functools.partial(attend, q.reshape(folded), k, v) for q, k, v in copies]
             return self._probe(calls, backend), {"gqa": "folded into the query length"}
-        calls = [functools.partial(attend, q, k, v, is_causal=True, enable_gqa=True) for q, k, v in copies]
+        causal = self._sdpa_causal(s)
+        calls = [functools.partial(attend, q, k, v, **causal, enable_gqa=True) for q, k, v in copies]
         try:
             return self._probe(calls, backend), {"gqa": "enable_gqa"}
         except PeerSkipped as native:
             # This backend (or this torch) has no native GQA: repeat K/V heads, outside the timing.
             expanded = [functools.partial(attend, q, k.repeat_interleave(s.group, dim=1),
-                                          v.repeat_interleave(s.group, dim=1), is_causal=True)
+                                          v.repeat_interleave(s.group, dim=1), **causal)
                         for q, k, v in copies]
             try:
                 return self._probe(expanded, backend), {"gqa": "K/V heads repeated before timing"}
             except PeerSkipped as repeated:
                 raise PeerSkipped(f"{native}; with K/V heads repeated: {repeated}") from None
+
+    def _sdpa_causal(self, shape: Shape) -> dict:
+        """SDPA's causal arguments. A chunk over cached keys needs its diagonal at
+        the bottom right (query i sees keys up to L - Lq + i); is_causal puts it at
+        the top left, so such a chunk takes torch's lower-right causal bias."""
+        if shape.query_len == shape.seq_len:
+            return {"is_causal": True}
+        try:
+            from torch.nn.attention.bias import causal_lower_right
+        except ImportError:
+            raise PeerSkipped(f"torch {self.torch.__version__} has no lower-right causal bias "
+                              "(torch.nn.attention.bias.causal_lower_right)") from None
+        return {"attn_mask": causal_lower_right(shape.query_len, shape.seq_len)}
 
     @staticmethod
     def _probe(calls: list, backend: str) -> list:

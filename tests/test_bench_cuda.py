@@ -91,6 +91,39 @@ def test_causal_prefill_flops_count_the_triangle(num_seqs, seq_len):
     assert attention_flops(shape) / square == pytest.approx(0.5 * (seq_len + 1) / seq_len)
 
 
+def test_chunked_prefill_flops_count_the_cached_keys_in_full():
+    """The prefill issue's chunked target: 2048 new tokens over 30720 cached, the
+    rectangle of cached keys counted in full, the new tokens' own triangle as above."""
+    shape = bench_cuda.PREFILL_CHUNKED
+    assert (shape.num_seqs, shape.query_len, shape.seq_len - shape.query_len) == (4, 2048, 30720)
+    rectangle = 2048 * 30720
+    triangle = 2048 * 2049 // 2
+    assert attention_flops(shape) == 4 * 4 * 128 * 32 * (rectangle + triangle)
+    # The query and output are the new tokens'; the cache is read once, all of it.
+    assert query_output_bytes(shape, BF16) == 2 * 4 * 2048 * 32 * 128 * 2
+    assert cache_bytes(shape, "int4_per_token_head", BF16) == 4 * 32768 * 8 * 136
+
+
+def test_chunked_prefill_is_labelled_as_such():
+    assert Group("prefill", bench_cuda.PREFILL_CHUNKED, KV_DTYPES).label == (
+        "prefill 4 x 2048 new over 30720 cached, causal, 32/8 heads, d = 128")
+    assert Group("prefill", Shape("prefill", 4, 8192, 32, 8, 128), KV_DTYPES).label == (
+        "prefill 4 x 8192 causal, 32/8 heads, d = 128")
+
+
+def test_sdpa_takes_the_lower_right_diagonal_for_a_chunk():
+    runner = bench_cuda.CudaRunner.__new__(bench_cuda.CudaRunner)
+    assert runner._sdpa_causal(Shape("prefill", 4, 8192, 32, 8, 128)) == {"is_causal": True}
+    torch = pytest.importorskip("torch")
+    runner.torch = torch
+    # 2 new tokens over 4 cached: query i (position 4 + i) sees keys 0 .. 4 + i,
+    # as kvcupy and the oracle mask it (is_causal would give it keys 0 .. i).
+    small = runner._sdpa_causal(Shape("prefill", 1, 6, 2, 1, 8, new_tokens=2))["attn_mask"]
+    assert small._materialize().tolist() == [[True] * 5 + [False], [True] * 6]
+    mask = runner._sdpa_causal(bench_cuda.PREFILL_CHUNKED)["attn_mask"]
+    assert (mask.seq_len_q, mask.seq_len_kv) == (2048, 32768)
+
+
 def test_prefill_bytes_read_the_cache_once():
     shape = Shape("prefill", 4, 8192, 32, 8, 128)
     assert cache_bytes(shape, "int4_per_token_head", BF16) == 4 * 8192 * 8 * 136
@@ -189,7 +222,8 @@ def test_full_run_has_the_issues_shapes_and_a_sweep_without_duplicates():
     assert all(g.kv_dtypes == ("int4_per_token_head",) for g in sweep)
     assert [g.shape for g in groups if g.kind == "prefill" and not g.sweep] == [
         Shape("prefill", 4, 8192, 32, 8, 128), Shape("prefill", 4, 8192, 32, 8, 96),
-        Shape("prefill", 1, 2048, 32, 8, 128), Shape("prefill", 64, 128, 32, 8, 128)]
+        Shape("prefill", 1, 2048, 32, 8, 128), Shape("prefill", 64, 128, 32, 8, 128),
+        Shape("prefill", 4, 32768, 32, 8, 128, new_tokens=2048)]
     # The prefill sweep: 16384 tokens a batch, 512 .. 16384 a prompt, int4 beside SDPA.
     prefill_sweep = [g for g in groups if g.sweep and g.kind == "prefill"]
     assert [(g.shape.num_seqs, g.shape.seq_len) for g in prefill_sweep] == [
