@@ -14,9 +14,10 @@ and, beside it:
 Groups: decode (batch 32 x 32768, 32/8 heads, d = 128 and 96; 32 x 8192;
 8 x 32768), the decode sweep over context lengths that `--plot` draws, causal
 prefill (4 x 8192 at d = 128 and 96, 1 x 2048, 64 x 128, and chunked: 4
-sequences of 2048 new tokens over 30720 cached), the prefill sweep over prompt lengths (16384 tokens a batch, as
-FlashAttention's benchmarks count them) that `--plot` draws too, the write
-path (`reshape_and_cache`) and `rotate`.
+sequences of 2048 new tokens over 30720 cached), the prefill sweep over
+prompt lengths (16384 tokens a batch, as FlashAttention's benchmarks count
+them) that `--plot` draws too, the write path (`reshape_and_cache`) and
+`rotate`.
 
 Accounting. TB/s = bytes the case must read and write / median time.
 Attention must read every cached token's K and V once, scales included
@@ -27,9 +28,10 @@ path reads K and V and writes the packed cache; rotate reads and writes each
 vector once. Index arrays (block table, slot mapping) are left out: under
 0.3% of any case of the full run. TFLOP/s = 4 * head_size * num_heads *
 (keys each query token sees, summed), i.e. 4 Lq Lk d Hq per sequence, the
-triangle for a causal prefill (a chunked one: its cached keys in full, the new
-tokens' own triangle). A copy case copies half its partner's bytes, so it moves as
-many bytes in all and its TB/s compares with the partner's directly.
+triangle for a causal prefill (a chunked one: its cached keys in full, the
+new tokens' own triangle). A copy case copies half its partner's bytes, so
+it moves as many bytes in all and its TB/s compares with the partner's
+directly.
 
 Timing. CUDA events around each call, on the one stream torch and CuPy share
 (the legacy default stream). A case is first called `warmup` times untimed
