@@ -84,3 +84,44 @@ def test_the_merge_signature_matches_the_kernel_source():
     header = source[source.index('extern "C" __global__ void merge_splits('):]
     parameters = header[header.index("(") + 1:header.index(")")]
     assert parameter_codes(parameters) == cuda_attention.MERGE_SIGNATURE
+
+
+class FakeDriver:
+    """libcuda's two entry points as cuda_launch calls them: records what a launch passed."""
+
+    def __init__(self, result=0):
+        self.result, self.launches = result, []
+
+    def cuLaunchKernelEx(self, config, handle, params, extra):
+        config = ctypes.cast(config, ctypes.POINTER(cuda_launch.LaunchConfig)).contents
+        words = ctypes.cast(extra, ctypes.POINTER(ctypes.c_void_p))
+        size = ctypes.c_size_t.from_address(words[3]).value
+        self.launches.append(dict(grid=list(config.grid), block=list(config.block), stream=config.stream,
+                                  attribute=config.attributes[0].id, handle=handle, params=params,
+                                  markers=(words[0], words[2], words[4]),
+                                  buffer=ctypes.string_at(words[1], size)))
+        return self.result
+
+    def cuGetErrorName(self, result, name):
+        ctypes.cast(name, ctypes.POINTER(ctypes.c_char_p))[0] = b"CUDA_ERROR_INVALID_VALUE"
+        return 0
+
+
+def test_a_launch_passes_the_packed_buffer_through_extra(monkeypatch):
+    driver = FakeDriver()
+    monkeypatch.setattr(cuda_launch, "_driver", lambda: driver)
+    args = (FakeDeviceArray(), np.int32(7), np.float32(2.0))
+    cuda_launch.launch_dependent(0x1234, (9,), (256,), "Pif", args, stream=0x77)
+    (launch,) = driver.launches
+    assert (launch["grid"], launch["block"], launch["stream"], launch["handle"]) == ([9, 1, 1], [256, 1, 1],
+                                                                                      0x77, 0x1234)
+    assert launch["attribute"] == cuda_launch.PROGRAMMATIC_STREAM_SERIALIZATION and launch["params"] is None
+    # CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE, CU_LAUNCH_PARAM_END.
+    assert launch["markers"] == (1, 2, None)
+    assert launch["buffer"] == cuda_launch.pack_parameters("Pif", args) == struct.pack("<Qif", 0xDEAD0000, 7, 2.0)
+
+
+def test_a_failed_launch_names_the_drivers_error(monkeypatch):
+    monkeypatch.setattr(cuda_launch, "_driver", lambda: FakeDriver(result=1))
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
+        cuda_launch.launch_dependent(0x1234, (1,), (32,), "i", (np.int32(0),), stream=0)
