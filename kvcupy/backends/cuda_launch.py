@@ -115,8 +115,8 @@ def launch_config(grid: tuple, block: tuple, shared_bytes: int, stream: int) -> 
 
 def function_handle(function) -> int:
     """The CUfunction of `function` (a cupy.RawKernel, as jit.get_function gives,
-    or a cupy.cuda.Function) on the current device. Worth keeping: RawKernel
-    resolves the device and its module at every `.kernel`."""
+    or a cupy.cuda.Function) on the current device; callers keep it (Plan.handles)
+    rather than ask the RawKernel again at every launch."""
     return getattr(function, "kernel", function).ptr
 
 
