@@ -22,13 +22,19 @@ def test_structures_match_cuda_h():
     assert ctypes.sizeof(config) == 56
 
 
-def test_the_config_asks_for_programmatic_serialisation():
-    config = cuda_launch.launch_config((5, 2), (256,), 1024, 0x1234)
+def test_a_dependent_config_asks_for_programmatic_serialisation():
+    config = cuda_launch.launch_config((5, 2), (256,), 1024, 0x1234, True)
     assert list(config.grid) == [5, 2, 1] and list(config.block) == [256, 1, 1]
     assert (config.shared_bytes, config.stream, config.attribute_count) == (1024, 0x1234, 1)
     attribute = config.attributes[0]
     assert attribute.id == 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert int.from_bytes(attribute.value[:4], "little") == 1   # programmaticStreamSerializationAllowed
+
+
+def test_a_plain_config_has_no_attributes():
+    config = cuda_launch.launch_config((7,), (128, 2), 0, 0x99, False)
+    assert list(config.grid) == [7, 1, 1] and list(config.block) == [128, 2, 1]
+    assert config.attribute_count == 0 and not config.attributes   # a null array
 
 
 class FakeDeviceArray:
@@ -77,13 +83,29 @@ def parameter_codes(parameters: str) -> str:
     return codes
 
 
-def test_the_merge_signature_matches_the_kernel_source():
+def attention_source() -> str:
     from kvcupy import jit
+    return (jit.source_dir() / "attention.cu").read_text()
+
+
+def test_the_merge_signature_matches_the_kernel_source():
     from kvcupy.backends import cuda_attention
-    source = (jit.source_dir() / "attention.cu").read_text()
+    source = attention_source()
     header = source[source.index('extern "C" __global__ void merge_splits('):]
     parameters = header[header.index("(") + 1:header.index(")")]
     assert parameter_codes(parameters) == cuda_attention.MERGE_SIGNATURE
+
+
+def test_the_attention_signature_matches_the_kernel_source():
+    # Both attention entries take KVC_ATTENTION_ARGS; the macro runs to the blank line.
+    from kvcupy.backends import cuda_attention
+    source = attention_source()
+    macro = source[source.index("#define KVC_ATTENTION_ARGS"):]
+    parameters = macro[macro.index("\n") + 1:macro.index("\n\n")]
+    assert parameter_codes(parameters) == cuda_attention.ATTENTION_SIGNATURE
+    assert len(cuda_attention.ATTENTION_SIGNATURE) == 54
+    for entry in ("paged_attention", "prefill_attention"):
+        assert f"{entry}(KVC_ATTENTION_ARGS)" in source
 
 
 class FakeDriver:
@@ -96,8 +118,10 @@ class FakeDriver:
         config = ctypes.cast(config, ctypes.POINTER(cuda_launch.LaunchConfig)).contents
         words = ctypes.cast(extra, ctypes.POINTER(ctypes.c_void_p))
         size = ctypes.c_size_t.from_address(words[3]).value
+        attribute = config.attributes[0].id if config.attribute_count else None
         self.launches.append(dict(grid=list(config.grid), block=list(config.block), stream=config.stream,
-                                  attribute=config.attributes[0].id, handle=handle, params=params,
+                                  shared_bytes=config.shared_bytes, attribute=attribute, handle=handle,
+                                  params=params,
                                   markers=(words[0], words[2], words[4]),
                                   buffer=ctypes.string_at(words[1], size)))
         return self.result
@@ -111,17 +135,22 @@ def test_a_launch_passes_the_packed_buffer_through_extra(monkeypatch):
     driver = FakeDriver()
     monkeypatch.setattr(cuda_launch, "_driver", lambda: driver)
     args = (FakeDeviceArray(), np.int32(7), np.float32(2.0))
-    cuda_launch.launch_dependent(0x1234, (9,), (256,), "Pif", args, stream=0x77)
-    (launch,) = driver.launches
+    cuda_launch.launch(0x1234, (9,), (256,), "Pif", args, stream=0x77, dependent=True)
+    cuda_launch.launch(0x5678, [3, 4], [64], "Pif", args, stream=0x77, shared_bytes=100_000)
+    launch, plain = driver.launches
     assert (launch["grid"], launch["block"], launch["stream"], launch["handle"]) == ([9, 1, 1], [256, 1, 1],
                                                                                       0x77, 0x1234)
     assert launch["attribute"] == cuda_launch.PROGRAMMATIC_STREAM_SERIALIZATION and launch["params"] is None
     # CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE, CU_LAUNCH_PARAM_END.
     assert launch["markers"] == (1, 2, None)
     assert launch["buffer"] == cuda_launch.pack_parameters("Pif", args) == struct.pack("<Qif", 0xDEAD0000, 7, 2.0)
+    # A plain launch: no attribute, the dynamic shared memory passed on.
+    assert (plain["grid"], plain["block"], plain["handle"]) == ([3, 4, 1], [64, 1, 1], 0x5678)
+    assert plain["attribute"] is None and plain["shared_bytes"] == 100_000
+    assert plain["buffer"] == launch["buffer"]
 
 
 def test_a_failed_launch_names_the_drivers_error(monkeypatch):
     monkeypatch.setattr(cuda_launch, "_driver", lambda: FakeDriver(result=1))
     with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
-        cuda_launch.launch_dependent(0x1234, (1,), (32,), "i", (np.int32(0),), stream=0)
+        cuda_launch.launch(0x1234, (1,), (32,), "i", (np.int32(0),), stream=0)

@@ -648,6 +648,34 @@ def test_dependent_merge_waits_for_the_splits(seq_lens, query_lens, monkeypatch)
         check(f"query {which}", dependent[which].astype(np.float64), expected, np.float16)
 
 
+@pytest.mark.parametrize("kv_dtype,seq_lens,query_lens", [
+    ("int4_per_token_head", (8192, 300, 5000), (1, 1, 1)),
+    ("fp8_per_token_head", (700, 2000), (200, 3)),
+    ("auto", (1500, 129), (1, 129))], ids=["decode", "chunked", "mixed"])
+def test_packed_launch_equals_cupys(kv_dtype, seq_lens, query_lens, monkeypatch):
+    """The attention kernel launched with its parameters packed into one buffer
+    (cuda_launch, ATTENTION_SIGNATURE) gets the same values as through CuPy's
+    per-argument launch: the outputs equal bit for bit, window, softcap and sinks
+    on, in decode (split, merged), chunked prefill and a mixed batch."""
+    rng = np.random.default_rng(len(seq_lens) + sum(query_lens))
+    batch = paged_batch(rng, list(seq_lens), list(query_lens), 16)
+    cache = host_cache(rng, batch, kv_dtype, 96, 8, 16, np.float16, "default")
+    query = cupy.asarray((rng.standard_normal((batch.num_queries, 32, 96)) * 2).astype(np.float16))
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    options = dict(sliding_window=1000, softcap=30.0, sinks=rng.standard_normal(32).astype(np.float32))
+    view = device_view(cache)
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    outputs = {}
+    for packed in (False, True, False):
+        monkeypatch.setattr(cuda_attention, "PACKED_LAUNCH", packed)
+        outputs.setdefault(packed, []).append(cupy.asnumpy(kc.paged_attention(query, view, batch=planned,
+                                                                               **options)))
+    assert np.array_equal(outputs[False][0], outputs[False][1])   # the kernel is deterministic
+    assert np.array_equal(outputs[True][0], outputs[False][0]), "the packed launch's output differs"
+    expected = reference.paged_attention(cupy.asnumpy(query), cache, **args, **options)
+    check(f"packed launch {kv_dtype}", outputs[True][0].astype(np.float64), expected, np.float16)
+
+
 def test_one_batch_plan_serves_caches_of_every_format():
     """A batch planned once and passed with caches of other KV dtypes: each call
     gets its own kernel (the plan is keyed by the cache's format and layout)."""

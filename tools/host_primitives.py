@@ -2,8 +2,10 @@
 median of 7 rounds of 2000 repetitions), to see where tools/host_overhead.py's
 time goes: device and stream switches, torch tensors through DLPack or straight
 from their pointers, CuPy kernel launches by argument count (12, the merge's,
-also as a programmatic dependent through cuda_launch), and one decode call
-(kvcupy.paged_attention, its merge launched plainly and as a dependent).
+also as a programmatic dependent through cuda_launch; 56, about the attention
+kernel's 54, also packed through cuda_launch), and one decode call
+(kvcupy.paged_attention: its merge launched plainly and as a dependent, its
+attention kernel through CuPy and packed).
 
     PYTHONPATH=. python3 tools/host_primitives.py
 
@@ -118,6 +120,13 @@ def main() -> None:
     hold_for(1.0)
     report("launch, 56 arguments", timed(lambda: many((1,), (32,), tuple(values)), 500))
     cupy.cuda.get_current_stream().synchronize()
+    _, _, codes_56 = many_signature(56)
+    many_handle = cuda_launch.function_handle(many)
+    hold_for(1.0)
+    report("launch packed (cuda_launch), 56 arguments",
+           timed(lambda: cuda_launch.launch(many_handle, (1,), (32,), codes_56, tuple(values),
+                                            stream=cupy.cuda.get_current_stream().ptr), 500))
+    cupy.cuda.get_current_stream().synchronize()
     # The merge's launch: 12 arguments, through CuPy or as a programmatic dependent.
     signature_12, values_12, codes_12 = many_signature(12)
     twelve = cupy.RawModule(code=SOURCE.replace("ARGS", signature_12)).get_function("many")
@@ -127,8 +136,8 @@ def main() -> None:
     cupy.cuda.get_current_stream().synchronize()
     hold_for(1.0)
     report("launch as a dependent (cuda_launch), 12 arguments",
-           timed(lambda: cuda_launch.launch_dependent(twelve_handle, (1,), (32,), codes_12, tuple(values_12),
-                                                      stream=cupy.cuda.get_current_stream().ptr), 500))
+           timed(lambda: cuda_launch.launch(twelve_handle, (1,), (32,), codes_12, tuple(values_12),
+                                            stream=cupy.cuda.get_current_stream().ptr, dependent=True), 500))
     cupy.cuda.get_current_stream().synchronize()
 
     num_seqs, seq_len, pages = 32, 1024, 64
@@ -139,10 +148,11 @@ def main() -> None:
     query = cupy.random.standard_normal((num_seqs, 32, 128), dtype=cupy.float32).astype(cupy.float16)
     out = cupy.empty_like(query)
     kc.paged_attention(query, cache, batch=batch, out=out)
-    for dependent in (False, True):
-        cuda_attention.DEPENDENT_MERGE = dependent
+    for dependent, packed in ((False, False), (True, False), (True, True), (False, True)):
+        cuda_attention.DEPENDENT_MERGE, cuda_attention.PACKED_LAUNCH = dependent, packed
         hold_for(2.0)
-        report(f"kvcupy.paged_attention, CuPy fp16, decode 32 x 1024 int4, dependent merge {dependent}",
+        report(f"kvcupy.paged_attention, CuPy fp16, decode 32 x 1024 int4, dependent merge {dependent}, "
+               f"packed attention launch {packed}",
                timed(lambda: kc.paged_attention(query, cache, batch=batch, out=out), 300))
         cupy.cuda.get_current_stream().synchronize()
 

@@ -63,6 +63,12 @@ MERGE_WARPS = 8          # attention.cuh: kMergeWarps (split_warps of them a row
 # (cuda_launch.py); False launches it plainly (tools/decode_variants.py's A/B).
 DEPENDENT_MERGE = True
 MERGE_SIGNATURE = "PPPPiiiiiPif"   # attention.cu's merge_splits parameters (cuda_launch's codes)
+# The attention entries' 54 parameters (attention.cu, KVC_ATTENTION_ARGS), in
+# cuda_launch's codes: packed into one buffer they cost the host less to launch
+# than through CuPy's per-argument conversion (tools/host_primitives.py). False:
+# CuPy's launch (the A/B there).
+ATTENTION_SIGNATURE = "PPPPP" + "q" * 12 + "PPPPPP" + "i" * 11 + "ffPqqiPPiiffPqqiPiPi"
+PACKED_LAUNCH = True
 # Four quads (16 query rows a warp) double the accumulators of two: above this
 # head size they spill even at 255 registers, so larger heads take more row tiles.
 MAX_HEAD_PAD_FOUR_QUADS = 128
@@ -669,7 +675,7 @@ class Plan:
     functions: dict = field(default_factory=dict)
     rotations: dict = field(default_factory=dict)
     builds: dict = field(default_factory=dict)   # for_query's builds, by query dtype and rotation
-    handles: dict = field(default_factory=dict)  # merge CUfunctions for cuda_launch, by output dtype
+    handles: dict = field(default_factory=dict)  # CUfunctions for cuda_launch: builds, merges by output dtype
     dependent_merge: bool = False   # the merge launched as a programmatic dependent (cuda_launch)
 
     def rotation_operands(self, rotation, head_pad: int, kv: int, device):
@@ -714,6 +720,13 @@ class Plan:
             function = self.functions[key] = self.function("merge_splits",
                                                            {"KVC_OUT_T": formats.CPP_TYPES[out_dtype]})
         return function
+
+    def entry_handle(self, kernel) -> int:
+        """entry_function's CUfunction, for cuda_launch's packed launch."""
+        handle = self.handles.get(kernel)
+        if handle is None:
+            handle = self.handles[kernel] = cuda_launch.function_handle(self.entry_function(kernel))
+        return handle
 
     def merge_handle(self, out_dtype) -> int:
         """merge_function's CUfunction, for cuda_launch's dependent launch."""
@@ -966,6 +979,9 @@ def _decode_io(query, rotation, softmax_scale: float, signs: tuple) -> tuple:
             null, np.int32(0)) + signs
 
 
+_KERNEL_SCALARS = {"q": np.int64, "i": np.int32, "f": np.float32}
+
+
 def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sliding_window,
                     softcap: float, sinks, out) -> None:
     import cupy
@@ -1010,25 +1026,30 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         part_out = None if direct else _buffer(plan, "part_out", (plan.num_splits,) + rows, device)
         part_stats = None if direct else _buffer(plan, "part_stats", (plan.num_splits, num_tokens, num_heads, 2),
                                                  device)
-        attention = plan.entry_function(kernel)
         has_scales = cache.k_scale_cache is not None
         code_unit = 256.0 if kernel.kv == KV_FP8 else 1.0
         table = arrays["block_table"]
         null = np.uintp(0)
-        attention(
-            (plan.num_splits, plan.num_tiles, plan.head_groups), (kernel.threads,),
-            (query_rows if query_rows is not None else null, cache.key_cache, cache.value_cache,
-             cache.k_scale_cache if has_scales else cache.key_cache,
-             cache.v_scale_cache if has_scales else cache.value_cache,
-             *_strides(plan, cache), table, arrays["seq_lens"], arrays["cu_seqlens_q"], plan.tiles,
-             part_out if part_out is not None else null, part_stats if part_stats is not None else null,
-             np.int32(num_tokens), np.int32(num_heads),
-             np.int32(num_heads // cache.num_kv_heads), np.int32(head_size),
-             np.int32(cache.key_cache.shape[3] * cache.key_cache.itemsize), np.int32(cache.block_size),
-             np.int32(int(cache.block_size).bit_length() - 1), np.int32(cache.num_blocks),
-             np.int32(table.shape[1]), np.int32(plan.split_tokens), np.int32(sliding_window or 0),
-             np.float32(softcap), np.float32(code_unit), *io),
-            shared_mem=kernel.shared_bytes)
+        grid = (plan.num_splits, plan.num_tiles, plan.head_groups)
+        attention_args = (
+            query_rows if query_rows is not None else null, cache.key_cache, cache.value_cache,
+            cache.k_scale_cache if has_scales else cache.key_cache,
+            cache.v_scale_cache if has_scales else cache.value_cache,
+            *_strides(plan, cache), table, arrays["seq_lens"], arrays["cu_seqlens_q"], plan.tiles,
+            part_out if part_out is not None else null, part_stats if part_stats is not None else null,
+            num_tokens, num_heads, num_heads // cache.num_kv_heads, head_size,
+            cache.key_cache.shape[3] * cache.key_cache.itemsize, cache.block_size,
+            int(cache.block_size).bit_length() - 1, cache.num_blocks, table.shape[1], plan.split_tokens,
+            sliding_window or 0, softcap, code_unit, *io)
+        if PACKED_LAUNCH:
+            cuda_launch.launch(plan.entry_handle(kernel), grid, (kernel.threads,), ATTENTION_SIGNATURE,
+                               attention_args, stream=cupy.cuda.get_current_stream().ptr,
+                               shared_bytes=kernel.shared_bytes)
+        else:
+            # CuPy's launch types each argument by its own type: NumPy scalars of the kernel's.
+            typed = tuple(value if code == "P" else _KERNEL_SCALARS[code](value)
+                          for code, value in zip(ATTENTION_SIGNATURE, attention_args))
+            plan.entry_function(kernel)(grid, (kernel.threads,), typed, shared_mem=kernel.shared_bytes)
         if direct:
             return
         # 3. Merge the splits (and the sinks), rotating back into `out` (none or
@@ -1043,8 +1064,8 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
                       np.float32(1.0 / (rotation.norm if rotated else 1)))
         if plan.dependent_merge and DEPENDENT_MERGE:
             # Its blocks start as the attention's leave, not after the launch gap.
-            cuda_launch.launch_dependent(plan.merge_handle(target_dtype), merge_grid, (32 * MERGE_WARPS,),
-                                         MERGE_SIGNATURE, merge_args, stream=cupy.cuda.get_current_stream().ptr)
+            cuda_launch.launch(plan.merge_handle(target_dtype), merge_grid, (32 * MERGE_WARPS,), MERGE_SIGNATURE,
+                               merge_args, stream=cupy.cuda.get_current_stream().ptr, dependent=True)
         else:
             plan.merge_function(target_dtype)(merge_grid, (32 * MERGE_WARPS,), merge_args)
         if not in_kernel:

@@ -1,16 +1,23 @@
-"""Launches as programmatic dependents: a kernel whose blocks may start while the
-kernel ahead of it in the stream is still running (sm_90 and newer).
+"""Kernel launches through the driver's `cuLaunchKernelEx` (ctypes, libcuda: no
+new dependency), the parameters packed into one buffer, for two reasons CuPy's
+`Function.__call__` does not serve:
 
-CuPy's `Function.__call__` takes no launch attributes, so these launches go
-through the driver's `cuLaunchKernelEx` (ctypes, libcuda: no new dependency)
-with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION set. The kernel so
-launched must execute `griddepcontrol.wait` (attention.cuh, `wait_for_prerequisites`)
+- **Programmatic dependents** (sm_90 and newer): a kernel whose blocks may start
+  while the kernel ahead of it in the stream is still running. CuPy takes no
+  launch attributes; these launches set
+  CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION.
+- **Host time** for kernels of many parameters: CuPy converts each argument on
+  its own (about 17-32 us for the attention kernel's 54 on the lent H200's
+  host, tools/host_primitives.py), where one `struct.pack` of the whole
+  buffer costs a fraction of that.
+
+A kernel launched as a dependent must execute `griddepcontrol.wait` (attention.cuh, `wait_for_prerequisites`)
 before it reads anything the kernel ahead of it writes; the kernel ahead lets
 it start early with `griddepcontrol.launch_dependents` (`allow_dependent_launch`).
 Without that attribute both instructions are no-ops, so one build serves both
 kinds of launch.
 
-What it saves: the gap between the last block of one kernel and the first of
+What a dependent launch saves: the gap between the last block of one kernel and the first of
 the next (about 5 us between decode's attention and its merge at 32 x 8192 on
 an H200 with nothing else queued, tools/decode_trace.py; 1-2 us a call back to
 back, tools/decode_variants.py), out of calls of 25-330 us.
@@ -49,6 +56,9 @@ def _programmatic_attribute() -> LaunchAttribute:
 
 
 _PROGRAMMATIC = _programmatic_attribute()
+
+
+_NO_ATTRIBUTES = ctypes.POINTER(LaunchAttribute)()
 
 
 @functools.cache
@@ -105,12 +115,13 @@ def pack_parameters(signature: str, args: tuple) -> bytes:
 
 
 @functools.lru_cache(maxsize=256)
-def launch_config(grid: tuple, block: tuple, shared_bytes: int, stream: int) -> LaunchConfig:
-    """The CUlaunchConfig of a programmatic-dependent launch (cached: a call's
-    grid, block and stream repeat from layer to layer)."""
+def launch_config(grid: tuple, block: tuple, shared_bytes: int, stream: int, dependent: bool) -> LaunchConfig:
+    """The CUlaunchConfig of a launch, as a programmatic dependent or plain (cached:
+    a call's grid, block and stream repeat from layer to layer)."""
     grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+    attributes = (ctypes.pointer(_PROGRAMMATIC), 1) if dependent else (_NO_ATTRIBUTES, 0)
     return LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, stream,
-                        ctypes.pointer(_PROGRAMMATIC), 1)
+                        *attributes)
 
 
 def function_handle(function) -> int:
@@ -120,17 +131,18 @@ def function_handle(function) -> int:
     return getattr(function, "kernel", function).ptr
 
 
-def launch_dependent(handle: int, grid: tuple, block: tuple, signature: str, args: tuple, *, stream: int,
-                     shared_bytes: int = 0) -> None:
+def launch(handle: int, grid: tuple, block: tuple, signature: str, args: tuple, *, stream: int,
+           shared_bytes: int = 0, dependent: bool = False) -> None:
     """Launches kernel `handle` (function_handle) with `args` of parameter
-    `signature` on `stream` (a handle) as a programmatic dependent of the kernel
-    queued before it."""
+    `signature` on `stream` (a handle); dependent: as a programmatic dependent of
+    the kernel queued before it. Dynamic shared memory above 48 KB needs the
+    function's attribute set first (a RawKernel's max_dynamic_shared_size_bytes)."""
     packed = pack_parameters(signature, args)
     buffer = ctypes.create_string_buffer(packed, len(packed))
     size = ctypes.c_size_t(len(packed))
     extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE,
                                   ctypes.addressof(size), _END)
-    config = launch_config(grid, block, shared_bytes, stream)
+    config = launch_config(tuple(grid), tuple(block), shared_bytes, stream, dependent)
     driver = _driver()
     result = driver.cuLaunchKernelEx(ctypes.byref(config), handle, None, extra)
     if result != 0:
