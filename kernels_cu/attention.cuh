@@ -67,6 +67,13 @@
 #define KVC_ROUND_STEPS 0
 #endif
 
+// Row staging: tiles this many ahead of the shared-memory pipeline's copies are
+// prefetched into L2 by the bulk engine (sm_90), so that those copies find them
+// there. 0: none.
+#ifndef KVC_PREFETCH_TILES
+#define KVC_PREFETCH_TILES 0
+#endif
+
 // Diagnostics only (the launcher never sets it): stage every tile and skip the
 // math, to time the copy pipeline alone. Outputs are meaningless.
 #ifndef KVC_STAGING_ONLY
@@ -333,6 +340,12 @@ __device__ __forceinline__ void bulk_copy(void* shared, const void* global, u32 
   KVC_SM90(asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                         ::"r"(shared_address(shared)), "l"(global), "r"(bytes), "r"(shared_address(barrier))
                         : "memory"));
+}
+
+// global -> L2, `bytes` (a multiple of 16, 16-byte aligned) by the copy engine: a hint,
+// nothing waits for it.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* global, u32 bytes) {
+  KVC_SM90(asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(global), "r"(bytes) : "memory"));
 }
 
 // shared -> global, `bytes` (a multiple of 16, both ends 16-byte aligned) by the
@@ -754,6 +767,36 @@ struct Attention {
     }
   }
 
+  // The L2 prefetch of the tile at `base` (KVC_PREFETCH_TILES): a token's K row,
+  // V row and scale rows (the block's KV heads side by side, as stage_rows
+  // copies them), one by each of four of its threads. Tokens outside [lo, hi),
+  // on an id outside the cache or on a page past the window are skipped. Every
+  // lane takes part (block_of).
+  static __device__ __forceinline__ void prefetch_rows(const Params& p, int head0, int base, int lo, int hi,
+                                                       int block_shift, const PageWindow& window) {
+    constexpr int kLanesPerToken = T::kThreads / TILE;
+    static_assert(kLanesPerToken >= (kQuantized ? 4 : 2), "a thread for each of a token's rows");
+    const int token = threadIdx.x / kLanesPerToken, part = threadIdx.x % kLanesPerToken;
+    const int position = base + token;
+    const int page = position >> block_shift;
+    const int block = block_of(window, page);
+    if (page - window.base >= 64 || block < 0 || position < lo || position >= hi) return;
+    const long long slot = position & (p.block_size - 1);
+    if (part == 0) {
+      bulk_prefetch_l2(p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + head0 * p.k_head_stride,
+                       T::kHeadsBytes);
+    } else if (part == 1) {
+      bulk_prefetch_l2(p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + head0 * p.v_head_stride,
+                       T::kHeadsBytes);
+    } else if (kQuantized && part == 2) {
+      bulk_prefetch_l2(p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride + head0 * p.ks_head_stride,
+                       HEADS * 4);
+    } else if (kQuantized && part == 3) {
+      bulk_prefetch_l2(p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride + head0 * p.vs_head_stride,
+                       HEADS * 4);
+    }
+  }
+
   // int4: the scale word's low 4 bits are the zero-point, the rest the scale.
   static __device__ __forceinline__ float scale_of(u32 bits) {
     return KV == KV_INT4 ? __uint_as_float(bits & ~0xFu) : __uint_as_float(bits);
@@ -1064,6 +1107,11 @@ struct Attention {
           stage_rows(p, smem, s, head0, key_lo + s * TILE, key_lo, key_hi, block_shift, window);
           cp_async_arrive_noinc(barriers + 8 * s);
         }
+      }
+#pragma unroll
+      for (int ahead = STAGES - 1; ahead < STAGES - 1 + KVC_PREFETCH_TILES; ++ahead) {
+        if (ahead < num_tiles)
+          prefetch_rows(p, head0, key_lo + ahead * TILE, key_lo, key_hi, block_shift, window);
       }
     } else if constexpr (KVC_STAGING == KVC_STAGE_BULK) {
       if (threadIdx.x < STAGES) {
@@ -1450,6 +1498,13 @@ struct Attention {
       if constexpr (KVC_STAGING == KVC_STAGE_ROWS && !KVC_COMPUTE_ONLY) {
         if (next < num_tiles) {
           // Its stage last held tile - 1: every warp must be done with that.
+          if constexpr (KVC_PREFETCH_TILES > 0) {
+            // Before the window slides for `next`: its second half was loaded at the
+            // previous slide, where a new one would be waited for here.
+            const int ahead = next + KVC_PREFETCH_TILES;
+            if (ahead < num_tiles)
+              prefetch_rows(p, head0, key_lo + ahead * TILE, key_lo, key_hi, block_shift, window);
+          }
           if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
           slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
           stage_rows(p, smem, next % STAGES, head0, next_base, key_lo, key_hi, block_shift, window);

@@ -96,22 +96,30 @@ def parameter_layout(signature: str) -> struct.Struct:
     return struct.Struct("".join(codes))
 
 
+@functools.cache
+def _pointer_positions(signature: str) -> tuple:
+    return tuple(index for index, code in enumerate(signature) if code == "P")
+
+
 def _address(value) -> int:
     """A pointer parameter's value: a device array's address, or an integer address."""
+    pointer = getattr(getattr(value, "data", None), "ptr", None)   # a NumPy integer's data: a memoryview
+    if pointer is not None:
+        return pointer
     if isinstance(value, (int, np.integer)):
         return int(value)
-    pointer = getattr(getattr(value, "data", None), "ptr", None)
-    if pointer is None:
-        raise TypeError(f"kernel argument {type(value).__name__} is neither a device array nor an address")
-    return pointer
+    raise TypeError(f"kernel argument {type(value).__name__} is neither a device array nor an address")
 
 
 def pack_parameters(signature: str, args: tuple) -> bytes:
     """`args` packed as the kernel's parameter buffer."""
     if len(args) != len(signature):
         raise ValueError(f"signature {signature!r} takes {len(signature)} arguments, not {len(args)}")
-    values = [_address(value) if code == "P" else value for code, value in zip(signature, args)]
-    return parameter_layout(signature).pack(*values)
+    layout = parameter_layout(signature)
+    values = list(args)
+    for index in _pointer_positions(signature):
+        values[index] = _address(values[index])
+    return layout.pack(*values)
 
 
 @functools.lru_cache(maxsize=256)
