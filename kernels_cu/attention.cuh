@@ -67,11 +67,9 @@
 #define KVC_ROUND_STEPS 0
 #endif
 
-// Row staging: tiles this many ahead of the shared-memory pipeline's copies are
-// prefetched into L2 by the bulk engine (sm_90), so that those copies find them
-// there. 0: none.
-#ifndef KVC_PREFETCH_TILES
-#define KVC_PREFETCH_TILES 0
+// Row staging: threads a token's rows, forced (timing variants; 0: stage_rows' rule).
+#ifndef KVC_ROW_LANES
+#define KVC_ROW_LANES 0
 #endif
 
 // Diagnostics only (the launcher never sets it): stage every tile and skip the
@@ -340,12 +338,6 @@ __device__ __forceinline__ void bulk_copy(void* shared, const void* global, u32 
   KVC_SM90(asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                         ::"r"(shared_address(shared)), "l"(global), "r"(bytes), "r"(shared_address(barrier))
                         : "memory"));
-}
-
-// global -> L2, `bytes` (a multiple of 16, 16-byte aligned) by the copy engine: a hint,
-// nothing waits for it.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* global, u32 bytes) {
-  KVC_SM90(asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(global), "r"(bytes) : "memory"));
 }
 
 // shared -> global, `bytes` (a multiple of 16, both ends 16-byte aligned) by the
@@ -717,83 +709,66 @@ struct Attention {
   // padded rows of the per-thread layout, kLanesPerToken threads a token, each
   // copying 16-byte pieces part, part + kLanesPerToken, ... of its K and V rows
   // and then of the scale rows: one block id and one address a thread and
-  // tile, the pieces at constant offsets from it. A token outside [lo, hi) or
+  // pass (one pass a tile, two for 64-token tiles of 8 warps), the pieces at
+  // constant offsets from it. A token outside [lo, hi) or
   // on an id outside the cache is zero-filled. The caller then arrives on the
   // stage's full barrier through cp_async_arrive_noinc.
   static __device__ __forceinline__ void stage_rows(const Params& p, u8* smem, int stage, int head0, int base,
                                                     int lo, int hi, int block_shift, const PageWindow& window) {
-    constexpr int kLanesPerToken = T::kThreads / TILE;
-    static_assert(T::kThreads % TILE == 0, "whole threads a token");
+    // At least 8 threads a token where its rows allow, so that each copy instruction of
+    // a warp takes whole 128-byte lines of four tokens' rows (with four, half lines of
+    // eight: int4 d = 128 64-token tiles, the copies alone 3.77 against 4.08 TB/s on
+    // the H200), in several passes a tile where the block is short of threads.
+    constexpr int kLanesPerToken = KVC_ROW_LANES > 0            ? KVC_ROW_LANES
+                                   : T::kHeadsBytes >= 128 && T::kThreads / TILE < 8 ? 8
+                                                                                     : T::kThreads / TILE;
+    static_assert(T::kThreads % kLanesPerToken == 0 && TILE % (T::kThreads / kLanesPerToken) == 0,
+                  "whole threads a token, whole passes a tile");
+    constexpr int kTokensPerPass = T::kThreads / kLanesPerToken;
     constexpr int kScaleBytes = HEADS * 4;
     u8* const keys = smem + stage * T::kStageBytes;
-    const int token = threadIdx.x / kLanesPerToken, part = threadIdx.x % kLanesPerToken;
-    const int position = base + token;
-    const int block = block_of(window, position >> block_shift);
-    const bool valid = block >= 0 && position >= lo && position < hi;
-    const long long slot = position & (p.block_size - 1);
-    const int bytes = valid ? 16 : 0;
-    // An invalid token copies nothing (zero bytes) from a harmless address.
-    const u8* key_row = valid ? p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride +
-                                    head0 * p.k_head_stride
-                              : p.key_cache;
-    const u8* value_row = valid ? p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride +
-                                      head0 * p.v_head_stride
-                                : p.value_cache;
-    u8* const key_dst = keys + token * T::kKeyStride;
-    u8* const value_dst = keys + T::kKeyBytes + token * T::kValueStride;
+    const int part = threadIdx.x % kLanesPerToken;
 #pragma unroll
-    for (int k = 0; k < (T::kHeadsBytes / 16 + kLanesPerToken - 1) / kLanesPerToken; ++k) {
-      const int offset = 16 * (part + k * kLanesPerToken);
-      if ((T::kHeadsBytes / 16) % kLanesPerToken == 0 || offset < T::kHeadsBytes) {
-        cp_async(key_dst + offset, key_row + offset, bytes, 16);
-        cp_async(value_dst + offset, value_row + offset, bytes, 16);
+    for (int pass = 0; pass < TILE / kTokensPerPass; ++pass) {
+      const int token = pass * kTokensPerPass + threadIdx.x / kLanesPerToken;
+      const int position = base + token;
+      const int block = block_of(window, position >> block_shift);
+      const bool valid = block >= 0 && position >= lo && position < hi;
+      const long long slot = position & (p.block_size - 1);
+      const int bytes = valid ? 16 : 0;
+      // An invalid token copies nothing (zero bytes) from a harmless address.
+      const u8* key_row = valid ? p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride +
+                                      head0 * p.k_head_stride
+                                : p.key_cache;
+      const u8* value_row = valid ? p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride +
+                                        head0 * p.v_head_stride
+                                  : p.value_cache;
+      u8* const key_dst = keys + token * T::kKeyStride;
+      u8* const value_dst = keys + T::kKeyBytes + token * T::kValueStride;
+#pragma unroll
+      for (int k = 0; k < (T::kHeadsBytes / 16 + kLanesPerToken - 1) / kLanesPerToken; ++k) {
+        const int offset = 16 * (part + k * kLanesPerToken);
+        if ((T::kHeadsBytes / 16) % kLanesPerToken == 0 || offset < T::kHeadsBytes) {
+          cp_async(key_dst + offset, key_row + offset, bytes, 16);
+          cp_async(value_dst + offset, value_row + offset, bytes, 16);
+        }
       }
-    }
-    if constexpr (kQuantized) {
-      static_assert(kScaleBytes % 16 == 0 && 2 * kScaleBytes / 16 <= kLanesPerToken, "one scale piece a thread");
-      // Threads part < kScaleBytes / 16 copy K scale pieces, the next ones V's.
-      const bool key = part < kScaleBytes / 16;
-      const int offset = 16 * (key ? part : part - kScaleBytes / 16);
-      if (part < 2 * kScaleBytes / 16) {
-        const u8* row = !valid ? p.k_scales
-                        : key  ? p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride +
-                                    head0 * p.ks_head_stride
-                               : p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride +
-                                    head0 * p.vs_head_stride;
-        u8* const destination = keys + T::kKeyBytes + T::kValueBytes + (key ? 0 : T::kScaleBytes) +
-                                token * kScaleBytes;
-        cp_async(destination + offset, row + offset, bytes, 16);
+      if constexpr (kQuantized) {
+        static_assert(kScaleBytes % 16 == 0 && 2 * kScaleBytes / 16 <= kLanesPerToken, "one scale piece a thread");
+        // Threads part < kScaleBytes / 16 copy K scale pieces, the next ones V's.
+        const bool key = part < kScaleBytes / 16;
+        const int offset = 16 * (key ? part : part - kScaleBytes / 16);
+        if (part < 2 * kScaleBytes / 16) {
+          const u8* row = !valid ? p.k_scales
+                          : key  ? p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride +
+                                      head0 * p.ks_head_stride
+                                 : p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride +
+                                      head0 * p.vs_head_stride;
+          u8* const destination = keys + T::kKeyBytes + T::kValueBytes + (key ? 0 : T::kScaleBytes) +
+                                  token * kScaleBytes;
+          cp_async(destination + offset, row + offset, bytes, 16);
+        }
       }
-    }
-  }
-
-  // The L2 prefetch of the tile at `base` (KVC_PREFETCH_TILES): a token's K row,
-  // V row and scale rows (the block's KV heads side by side, as stage_rows
-  // copies them), one by each of four of its threads. Tokens outside [lo, hi),
-  // on an id outside the cache or on a page past the window are skipped. Every
-  // lane takes part (block_of).
-  static __device__ __forceinline__ void prefetch_rows(const Params& p, int head0, int base, int lo, int hi,
-                                                       int block_shift, const PageWindow& window) {
-    constexpr int kLanesPerToken = T::kThreads / TILE;
-    static_assert(kLanesPerToken >= (kQuantized ? 4 : 2), "a thread for each of a token's rows");
-    const int token = threadIdx.x / kLanesPerToken, part = threadIdx.x % kLanesPerToken;
-    const int position = base + token;
-    const int page = position >> block_shift;
-    const int block = block_of(window, page);
-    if (page - window.base >= 64 || block < 0 || position < lo || position >= hi) return;
-    const long long slot = position & (p.block_size - 1);
-    if (part == 0) {
-      bulk_prefetch_l2(p.key_cache + block * p.k_block_stride + slot * p.k_slot_stride + head0 * p.k_head_stride,
-                       T::kHeadsBytes);
-    } else if (part == 1) {
-      bulk_prefetch_l2(p.value_cache + block * p.v_block_stride + slot * p.v_slot_stride + head0 * p.v_head_stride,
-                       T::kHeadsBytes);
-    } else if (kQuantized && part == 2) {
-      bulk_prefetch_l2(p.k_scales + block * p.ks_block_stride + slot * p.ks_slot_stride + head0 * p.ks_head_stride,
-                       HEADS * 4);
-    } else if (kQuantized && part == 3) {
-      bulk_prefetch_l2(p.v_scales + block * p.vs_block_stride + slot * p.vs_slot_stride + head0 * p.vs_head_stride,
-                       HEADS * 4);
     }
   }
 
@@ -1107,11 +1082,6 @@ struct Attention {
           stage_rows(p, smem, s, head0, key_lo + s * TILE, key_lo, key_hi, block_shift, window);
           cp_async_arrive_noinc(barriers + 8 * s);
         }
-      }
-#pragma unroll
-      for (int ahead = STAGES - 1; ahead < STAGES - 1 + KVC_PREFETCH_TILES; ++ahead) {
-        if (ahead < num_tiles)
-          prefetch_rows(p, head0, key_lo + ahead * TILE, key_lo, key_hi, block_shift, window);
       }
     } else if constexpr (KVC_STAGING == KVC_STAGE_BULK) {
       if (threadIdx.x < STAGES) {
@@ -1498,13 +1468,6 @@ struct Attention {
       if constexpr (KVC_STAGING == KVC_STAGE_ROWS && !KVC_COMPUTE_ONLY) {
         if (next < num_tiles) {
           // Its stage last held tile - 1: every warp must be done with that.
-          if constexpr (KVC_PREFETCH_TILES > 0) {
-            // Before the window slides for `next`: its second half was loaded at the
-            // previous slide, where a new one would be waited for here.
-            const int ahead = next + KVC_PREFETCH_TILES;
-            if (ahead < num_tiles)
-              prefetch_rows(p, head0, key_lo + ahead * TILE, key_lo, key_hi, block_shift, window);
-          }
           if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
           slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
           stage_rows(p, smem, next % STAGES, head0, next_base, key_lo, key_hi, block_shift, window);
