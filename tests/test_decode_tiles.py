@@ -108,32 +108,34 @@ def test_auto_caches_keep_thread_copies_otherwise(case, monkeypatch):
     assert chosen.staging == ca.STAGE_THREADS
 
 
-def test_int4_d128_takes_one_block_of_64_token_tiles():
-    """int4, one quad, d = 128, row copies: 64-token tiles, one block of 8 warps a
-    multiprocessor (measured faster where splits are long: cuda_attention)."""
-    chosen = ca._long_tile(Kernel(KV_INT4, 128, 8, 1, 32, 16, ca.STAGE_ROWS))
+@pytest.mark.parametrize("head_pad", [128, 96])
+def test_int4_takes_one_block_of_64_token_tiles(head_pad):
+    """int4, one quad, d = 128 and 96, row copies: 64-token tiles, one block of 8
+    warps a multiprocessor (measured faster where splits are long: cuda_attention)."""
+    chosen = ca._long_tile(Kernel(KV_INT4, head_pad, 8, 1, 32, 16, ca.STAGE_ROWS))
     assert (chosen.tile, chosen.stages, chosen.blocks_per_sm) == (ca.DECODE_LONG_TILE, 3, 1)
     assert chosen.shared_bytes <= ca.SHARED_BYTES_PER_SM
     assert chosen.blocks_per_sm * chosen.heads >= ca.DECODE_ROUND_MIN_WARPS
 
 
 @pytest.mark.parametrize("kernel", [
-    Kernel(KV_INT4, 96, 8, 1, 32, 16, ca.STAGE_ROWS),    # measured slower at d = 96
+    Kernel(KV_INT4, 96, 4, 1, 32, 16, ca.STAGE_ROWS),    # two blocks of 4 warps: not measured
     Kernel(KV_INT4, 64, 8, 1, 32, 16, ca.STAGE_ROWS),    # not measured
     Kernel(KV_INT4, 128, 8, 2, 32, 16, ca.STAGE_ROWS),   # two quads a warp
     Kernel(KV_INT4, 128, 8, 1, 32, 16, ca.STAGE_BULK),   # bulk copies: not measured
     Kernel(KV_INT4, 128, 4, 1, 32, 16, ca.STAGE_ROWS),   # one block of 4 warps would be left
     Kernel(KV_INT8, 128, 8, 1, 32, 16, ca.STAGE_ROWS),   # 1-byte codes: a 64-token block does not fit
-], ids=("d96", "d64", "two-quads", "bulk", "four-heads", "int8"))
+], ids=("d96-four-heads", "d64", "two-quads", "bulk", "four-heads", "int8"))
 def test_others_keep_32_token_tiles(kernel):
     assert ca._long_tile(kernel) == kernel
 
 
 def test_check_compiles_the_long_tile():
     """`kvcupy check`'s sample and --all both build the kernel the planner takes."""
-    long_tile = Kernel(KV_INT4, 128, 8, 1, ca.DECODE_LONG_TILE, 16, ca.STAGE_ROWS).defines
-    for every in (False, True):
-        assert any(spec.defines == long_tile for spec in ca.specialisations(every))
+    for head_pad in (128, 96):
+        long_tile = Kernel(KV_INT4, head_pad, 8, 1, ca.DECODE_LONG_TILE, 16, ca.STAGE_ROWS).defines
+        for every in (False, True):
+            assert any(spec.defines == long_tile for spec in ca.specialisations(every))
 
 
 def splitting(longest: int, slots: int = 132):

@@ -589,15 +589,17 @@ def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_s
     ((32768, 1000), 32, "default", {}),
     ((700, 300), 16, "default", dict(sliding_window=100, softcap=5.0, sinks=True)),
 ], ids=["short", "block8", "block128-none", "32768", "window-softcap-sinks"])
-def test_int4_decode_with_64_token_tiles(seq_lens, block_size, rotation, options, monkeypatch):
-    """int4 decode at d = 128 on 64-token tiles (cuda_attention._long_tile), forced
-    here for splits of any length (the planner takes them for splits of 1024 keys
-    and more): partial tiles, pages of 8 to 128 tokens, a window, softcap and sinks."""
+@pytest.mark.parametrize("head_size", [128, 96])
+def test_int4_decode_with_64_token_tiles(head_size, seq_lens, block_size, rotation, options, monkeypatch):
+    """int4 decode on 64-token tiles (cuda_attention._long_tile), forced here for
+    splits of any length (the planner takes them for splits of 1024 keys and more),
+    at d = 128 and 96 (three 128-byte lines a token's row): partial tiles, pages of
+    8 to 128 tokens, a window, softcap and sinks."""
     monkeypatch.setattr(cuda_attention, "DECODE_LONG_TILE_MIN_SPLIT_TOKENS", 0)
     rng = np.random.default_rng(len(seq_lens) + block_size)
     batch = paged_batch(rng, list(seq_lens), [1] * len(seq_lens), block_size)
-    cache = host_cache(rng, batch, "int4_per_token_head", 128, 8, block_size, np.float16, rotation)
-    query = (rng.standard_normal((batch.num_queries, 32, 128)) * 2).astype(np.float32)
+    cache = host_cache(rng, batch, "int4_per_token_head", head_size, 8, block_size, np.float16, rotation)
+    query = (rng.standard_normal((batch.num_queries, 32, head_size)) * 2).astype(np.float32)
     options = dict(options)
     if options.get("sinks"):
         options["sinks"] = rng.standard_normal(32).astype(np.float32)

@@ -89,18 +89,21 @@ LONG_SPLIT_TOKENS = 0
 DECODE_ROUND_MIN_WARPS = 8
 DECODE_ROUND_TILE = 32            # one softmax round of two 16-token steps (attention.cuh)
 DECODE_ROUND_MAX_HEAD_PAD = 128   # larger heads: not measured, they keep 16-token tiles
-# int4 decode of one quad at d = 128 with row copies takes 64-token tiles
-# (_long_tile): one softmax round of four steps a tile, one block of 8 warps a
-# multiprocessor (219 KiB) instead of two of 32-token tiles, whose two blocks
-# the schedulers serve unevenly (tools/decode_trace.py). H200,
-# tools/decode_variants.py, blockdiag, one process a shape, ms, 64 vs 32: 32 x 32768
-# 0.3269 / 0.3266 vs 0.3346 / 0.3344, 32 x 8192 0.0982 / 0.0982 vs 0.1053 /
-# 0.1056, 8 x 32768 0.0988 / 0.0984 vs 0.1055 / 0.1061, 64 x 2048 0.0590 /
-# 0.0591 vs 0.0672 / 0.0670. Not taken: d = 96 (0.3282 vs 0.2944: slower),
-# and splits shorter than DECODE_LONG_TILE_MIN_SPLIT_TOKENS (4 x 4096, 16
-# splits of 256 keys: 0.0261 / 0.0260 vs 0.0252 / 0.0254).
+# int4 decode of one quad at d = 128 and 96 with row copies takes 64-token
+# tiles (_long_tile): one softmax round of four steps a tile, one block of 8
+# warps a multiprocessor (219 KiB at d = 128, 162 at 96) instead of two of
+# 32-token tiles, whose two blocks the schedulers serve unevenly
+# (tools/decode_trace.py). H200, tools/decode_variants.py, blockdiag, one
+# process a shape, ms, 64 vs 32: 32 x 32768 0.3269 / 0.3266 vs 0.3346 /
+# 0.3344, 32 x 8192 0.0982 / 0.0982 vs 0.1053 / 0.1056, 8 x 32768 0.0988 /
+# 0.0984 vs 0.1055 / 0.1061, 64 x 2048 0.0590 / 0.0591 vs 0.0672 / 0.0670.
+# d = 96 was slower (0.3282 vs 0.2944) until the tiles' row copies took whole
+# 128-byte lines (the 2026-12-03 late session): then 32 x 32768 0.2916 /
+# 0.2911 vs 0.2926 / 0.2916, 32 x 8192 0.0822 / 0.0821 vs 0.0855 / 0.0854.
+# Not taken: splits shorter than DECODE_LONG_TILE_MIN_SPLIT_TOKENS (4 x 4096,
+# 16 splits of 256 keys: 0.0261 / 0.0260 vs 0.0252 / 0.0254).
 DECODE_LONG_TILE = 64
-DECODE_LONG_TILE_HEAD_PAD = 128
+DECODE_LONG_TILE_HEAD_PADS = (96, 128)
 DECODE_LONG_TILE_MIN_SPLIT_TOKENS = 1024
 # Prefill (prefill.cuh): batches whose longest query run has at least this many
 # (query token, head) rows per KV head take the prefill kernel, head sizes up to
@@ -522,14 +525,15 @@ def _round_tile(kernel: Kernel) -> Kernel:
 
 
 def _long_tile(kernel: Kernel) -> Kernel:
-    """64-token tiles for int4 decode of one quad at DECODE_LONG_TILE_HEAD_PAD with
-    row copies, where a block of them fits a multiprocessor with at least
-    DECODE_ROUND_MIN_WARPS warps (plan_attention keeps 32 for short splits)."""
+    """64-token tiles for int4 decode of one quad at DECODE_LONG_TILE_HEAD_PADS with
+    row copies, where one block of them fills a multiprocessor with at least
+    DECODE_ROUND_MIN_WARPS warps: the measured builds (plan_attention keeps 32
+    for short splits)."""
     if (kernel.kv != KV_INT4 or kernel.quads != 1 or kernel.tile != DECODE_ROUND_TILE or kernel.staging != STAGE_ROWS
-            or kernel.head_pad != DECODE_LONG_TILE_HEAD_PAD):
+            or kernel.head_pad not in DECODE_LONG_TILE_HEAD_PADS):
         return kernel
     longer = replace(kernel, tile=DECODE_LONG_TILE)
-    if longer.shared_bytes > SHARED_BYTES_PER_SM or longer.blocks_per_sm * longer.heads < DECODE_ROUND_MIN_WARPS:
+    if longer.shared_bytes > SHARED_BYTES_PER_SM or longer.blocks_per_sm != 1 or longer.heads < DECODE_ROUND_MIN_WARPS:
         return kernel
     return longer
 
@@ -1114,6 +1118,7 @@ def specialisations(all: bool) -> list:
                    Kernel(KV_INT4, 64, 2, 2, 32, 1), Kernel(KV_INT8, 256, 8, 2, 16, 16),
                    Kernel(KV_FP8, 128, 4, 4, 16, 16, STAGE_ROWS), Kernel(KV_FP8, 128, 8, 1, 32, 16, STAGE_ROWS),
                    Kernel(KV_INT8, 96, 8, 1, 32, 16, STAGE_BULK, 2), Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS),
+                   _long_tile(Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS)),
                    Kernel(KV_F16, 128, 4, 1, 16, 16), Kernel(KV_BF16, 128, 4, 1, 16, 16, STAGE_ROWS),
                    Kernel(KV_BF16, 96, 4, 2, 16, 8), Kernel(KV_BF16, 64, 4, 1, 16, 16),
                    PrefillKernel.planned(KV_INT4, 128, 16, False), PrefillKernel.planned(KV_INT8, 96, 4, False),
