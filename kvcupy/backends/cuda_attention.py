@@ -983,9 +983,6 @@ def _decode_io(query, rotation, softmax_scale: float, signs: tuple) -> tuple:
             null, np.int32(0)) + signs
 
 
-_KERNEL_SCALARS = {"q": np.int64, "i": np.int32, "f": np.float32}
-
-
 def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sliding_window,
                     softcap: float, sinks, out) -> None:
     import cupy
@@ -1050,10 +1047,9 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
                                attention_args, stream=cupy.cuda.get_current_stream().ptr,
                                shared_bytes=kernel.shared_bytes)
         else:
-            # CuPy's launch types each argument by its own type: NumPy scalars of the kernel's.
-            typed = tuple(value if code == "P" else _KERNEL_SCALARS[code](value)
-                          for code, value in zip(ATTENTION_SIGNATURE, attention_args))
-            plan.entry_function(kernel)(grid, (kernel.threads,), typed, shared_mem=kernel.shared_bytes)
+            plan.entry_function(kernel)(grid, (kernel.threads,),
+                                        cuda_launch.numpy_arguments(ATTENTION_SIGNATURE, attention_args),
+                                        shared_mem=kernel.shared_bytes)
         if direct:
             return
         # 3. Merge the splits (and the sinks), rotating back into `out` (none or
