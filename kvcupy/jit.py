@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 import tempfile
 import threading
 import time
@@ -282,6 +283,33 @@ def _toolkit_include_options() -> tuple[str, ...]:
     return (f"-I{toolkit}",) if (toolkit / "cuda_fp16.h").is_file() else ()
 
 
+# ELF64 header fields (little endian) that say where a cubin's tables end: e_phoff,
+# e_shoff, then e_phentsize, e_phnum, e_shentsize, e_shnum.
+_ELF_TABLE_OFFSETS = struct.Struct("<QQ")        # at 0x20
+_ELF_TABLE_SIZES = struct.Struct("<HHHH")        # at 0x36
+_ELF_MAX_MISSING = 8   # more missing than this is no dropped terminator: left alone
+
+
+def elf_extent(image: bytes) -> int:
+    """The length an ELF64 image declares: the end of its program and section header tables."""
+    program_offset, section_offset = _ELF_TABLE_OFFSETS.unpack_from(image, 0x20)
+    program_size, program_count, section_size, section_count = _ELF_TABLE_SIZES.unpack_from(image, 0x36)
+    return max(program_offset + program_size * program_count, section_offset + section_size * section_count)
+
+
+def _whole_cubin(cubin: bytes) -> bytes:
+    """The cubin with the zero byte CuPy's nvrtc.getCUBIN drops put back.
+
+    getCUBIN returns one byte less than nvrtcGetCUBINSize says (it strips a trailing
+    NUL, as for PTX text; CuPy 14.2 with NVRTC 13.0 and 13.5), the last byte of the
+    program header table, which NVRTC leaves zero. The driver loads the short image,
+    but cuobjdump and nvdisasm reject it ("does not contain device code")."""
+    if len(cubin) < 0x40 or not cubin.startswith(b"\x7fELF"):
+        return cubin
+    missing = elf_extent(cubin) - len(cubin)
+    return cubin + bytes(missing) if 0 < missing <= _ELF_MAX_MISSING else cubin
+
+
 def _nvrtc_compile(root: Path, entry: str, key: str, options: tuple[str, ...]) -> tuple[bytes, str]:
     """(cubin, program log) of kernels_cu/<entry>.cu, or CompileError carrying the log."""
     from cupy.cuda import nvrtc
@@ -294,7 +322,7 @@ def _nvrtc_compile(root: Path, entry: str, key: str, options: tuple[str, ...]) -
         except nvrtc.NVRTCError as error:
             log = nvrtc.getProgramLog(program).rstrip("\x00") or str(error)
             raise CompileError(key, all_options, log) from None
-        return nvrtc.getCUBIN(program), nvrtc.getProgramLog(program).rstrip("\x00")
+        return _whole_cubin(nvrtc.getCUBIN(program)), nvrtc.getProgramLog(program).rstrip("\x00")
     finally:
         nvrtc.destroyProgram(program)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -128,6 +129,32 @@ def test_second_compile_is_a_disk_cache_hit(kernels):
     assert hit_seconds < 0.2, f"a disk-cache hit took {hit_seconds:.3f} s"
     assert first.path.read_bytes().startswith(ELF_MAGIC)
     assert first.path.parent == Path(os.environ[jit.CACHE_DIR_ENV]) / f"nvrtc-{'.'.join(map(str, jit.nvrtc_version()))}" / ARCH
+
+
+def test_cached_cubin_is_as_long_as_its_elf_header_says(kernels):
+    """The cubin on disk is the whole ELF image: CuPy's nvrtc.getCUBIN drops its last
+    byte (a zero, the end of the program header table), which jit puts back, so that
+    cuobjdump and nvdisasm read the cache's cubins."""
+    image = jit.compile_entry("test_add", {"KVC_WHOLE": 1}, ARCH).path.read_bytes()
+    program_offset, = struct.unpack_from("<Q", image, 0x20)
+    entry_size, count = struct.unpack_from("<HH", image, 0x36)
+    assert count > 0 and len(image) >= program_offset + entry_size * count
+
+
+def test_whole_cubin_restores_a_dropped_terminator_only():
+    """Up to 8 missing bytes come back as zeros; a whole image, a longer gap (no
+    dropped terminator) and a non-ELF blob are left as they are."""
+    header = bytearray(0x40)
+    header[:4] = ELF_MAGIC
+    struct.pack_into("<QQ", header, 0x20, 0x40, 0)        # program headers right after the header
+    struct.pack_into("<HHHH", header, 0x36, 0x38, 1, 0x40, 0)
+    whole = bytes(header) + bytes(range(0x38))             # one program header: 0x78 bytes in all
+    assert jit.elf_extent(whole) == len(whole) == 0x78
+    assert jit._whole_cubin(whole[:-1]) == whole[:-1] + b"\0"
+    assert jit._whole_cubin(whole[:-8]) == whole[:-8] + bytes(8)
+    assert jit._whole_cubin(whole[:-9]) == whole[:-9]
+    assert jit._whole_cubin(whole) == whole
+    assert jit._whole_cubin(b"not an elf image" * 8) == b"not an elf image" * 8
 
 
 def test_a_new_process_finds_the_cubin_on_disk(kernels):
