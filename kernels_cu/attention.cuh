@@ -800,6 +800,28 @@ struct Attention {
   // products to the cache's channel (the stored value's index in the row).
   static constexpr int kKeyVecBytes = 4 * T::kKeyVector;
   static constexpr int kValueVecBytes = 2 * T::kValueVector;
+  // int4 at d = 96: a lane's 6 bytes of a value row in one 4-byte load (units 0
+  // and 1, at 4g) and one 2-byte load (unit 2, at 32 + 2g), where the uniform
+  // vectors took three 2-byte loads.
+  static constexpr bool kSplitValues = KV == KV_INT4 && HEAD_PAD == 96;
+  static constexpr int kValueLoads = kSplitValues ? 2 : T::kValueUnits / T::kValueVector;
+
+  // Byte b of lane g's share of a value row: its offset in the row.
+  static __device__ __forceinline__ int value_byte_offset(int g, int b) {
+    if constexpr (kSplitValues) return b < 4 ? 4 * g + b : 32 + 2 * g + (b - 4);
+    else return lane_byte_offset<kValueVecBytes, 8>(g, b);
+  }
+
+  // Load `vector` (< kValueLoads) of lane g's share of a value row into its words
+  // (two 16-bit units a word, the first in the low half).
+  static __device__ __forceinline__ void load_value_vector(const u8* row, int g, int vector, u32* words) {
+    if constexpr (kSplitValues) {
+      if (vector == 0) words[0] = *reinterpret_cast<const u32*>(row + 4 * g);
+      else words[1] = *reinterpret_cast<const u16*>(row + 32 + 2 * g);
+    } else {
+      load_lane_vector<kValueVecBytes, 8>(row, g, vector, words);
+    }
+  }
 
   // Keys: lane t's words become one token's fp16 pairs of logical dims
   // 16 kc + 2t + {0, 1} and 16 kc + 8 + 2t + {0, 1} (key_fragment).
@@ -824,7 +846,7 @@ struct Attention {
     const int md = logical >> 4, pos = logical & 15, g = pos & 7, r = pos >> 3;
     if constexpr (KV == KV_INT4) {
       // unit md / 2, byte md % 2: low nibble row g, high nibble row g + 8.
-      return 2 * lane_byte_offset<kValueVecBytes, 8>(g, md) + r;
+      return 2 * value_byte_offset(g, md) + r;
     } else if constexpr (KV == KV_INT8 || KV == KV_FP8) {
       return lane_byte_offset<kValueVecBytes, 8>(g, 2 * md + r);
     } else {
@@ -864,6 +886,11 @@ struct Attention {
   // The 16-bit unit of lane g's share of a value row that holds M tile md's rows.
   static constexpr __host__ __device__ int value_unit_of(int md) {
     return KV == KV_INT4 ? md >> 1 : KV == KV_INT8 || KV == KV_FP8 ? md : 2 * md;
+  }
+
+  // The load (load_value_vector) that brings M tile md's unit.
+  static constexpr __host__ __device__ int value_load_of(int md) {
+    return kSplitValues ? (value_unit_of(md) < 2 ? 0 : 1) : value_unit_of(md) / T::kValueVector;
   }
 
   // The A fragment of output M tile md from lane g's words of the rows of
@@ -1434,15 +1461,14 @@ struct Attention {
           u32 words[4][(T::kValueUnits + 1) / 2];
           const u32* const rows[4] = {words[0], words[1], words[2], words[3]};
   #pragma unroll
-          for (int vector = 0; vector < T::kValueUnits / T::kValueVector; ++vector) {
+          for (int vector = 0; vector < kValueLoads; ++vector) {
   #pragma unroll
             for (int c = 0; c < 4; ++c)
-              load_lane_vector<kValueVecBytes, 8>(
-                  values + ((first_step + j) * 16 + 2 * t + (c & 1) + 8 * (c >> 1)) * T::kValueStride, g, vector,
-                  words[c]);
+              load_value_vector(values + ((first_step + j) * 16 + 2 * t + (c & 1) + 8 * (c >> 1)) * T::kValueStride,
+                                g, vector, words[c]);
   #pragma unroll
             for (int md = 0; md < MD; ++md) {
-              if (value_unit_of(md) / T::kValueVector != vector) continue;
+              if (value_load_of(md) != vector) continue;
               u32 a[4];
               value_fragment(rows, md, a);
   #pragma unroll
