@@ -159,7 +159,8 @@ struct Traits {
   // the 4 lanes t of a token, kKeyWords 32-bit words each, in vectors of
   // kKeyVector words (vector i of lane t at word (4 i + t) kKeyVector); a value
   // row by the 8 lanes g, kValueUnits 16-bit units each, in vectors of
-  // kValueVector units (vector i of lane g at unit (8 i + g) kValueVector).
+  // kValueVector units (vector i of lane g at unit (8 i + g) kValueVector;
+  // int4 at d = 96 loads its 3 units otherwise: Attention::kSplitValues).
   static constexpr int kHeadsBytes = HEADS * kRowBytes;
   static constexpr int kKeyWords = kRowBytes / 16;
   static constexpr int kKeyVector = kKeyWords % 4 == 0 ? 4 : kKeyWords % 2 == 0 ? 2 : 1;
