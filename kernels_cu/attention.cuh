@@ -816,9 +816,9 @@ struct Attention {
   // Load `vector` (< kValueLoads) of lane g's share of a value row into its words
   // (two 16-bit units a word, the first in the low half).
   static __device__ __forceinline__ void load_value_vector(const u8* row, int g, int vector, u32* words) {
-    if constexpr (kSplitValues) {
-      if (vector == 0) words[0] = *reinterpret_cast<const u32*>(row + 4 * g);
-      else words[1] = *reinterpret_cast<const u16*>(row + 32 + 2 * g);
+    if constexpr (kSplitValues) {   // units 0 and 1 (bytes 0-3 of the share), then unit 2 (bytes 4-5)
+      if (vector == 0) words[0] = *reinterpret_cast<const u32*>(row + value_byte_offset(g, 0));
+      else words[1] = *reinterpret_cast<const u16*>(row + value_byte_offset(g, 4));
     } else {
       load_lane_vector<kValueVecBytes, 8>(row, g, vector, words);
     }

@@ -297,7 +297,7 @@ def elf_extent(image: bytes) -> int:
     return max(program_offset + program_size * program_count, section_offset + section_size * section_count)
 
 
-def _whole_cubin(cubin: bytes) -> bytes:
+def whole_cubin(cubin: bytes) -> bytes:
     """The cubin with the zero byte CuPy's nvrtc.getCUBIN drops put back.
 
     getCUBIN returns one byte less than nvrtcGetCUBINSize says (it strips a trailing
@@ -322,7 +322,7 @@ def _nvrtc_compile(root: Path, entry: str, key: str, options: tuple[str, ...]) -
         except nvrtc.NVRTCError as error:
             log = nvrtc.getProgramLog(program).rstrip("\x00") or str(error)
             raise CompileError(key, all_options, log) from None
-        return _whole_cubin(nvrtc.getCUBIN(program)), nvrtc.getProgramLog(program).rstrip("\x00")
+        return whole_cubin(nvrtc.getCUBIN(program)), nvrtc.getProgramLog(program).rstrip("\x00")
     finally:
         nvrtc.destroyProgram(program)
 

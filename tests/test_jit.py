@@ -141,7 +141,7 @@ def test_cached_cubin_is_as_long_as_its_elf_header_says(kernels):
     assert count > 0 and len(image) >= program_offset + entry_size * count
 
 
-def test_whole_cubin_restores_a_dropped_terminator_only():
+def testwhole_cubin_restores_a_dropped_terminator_only():
     """Up to 8 missing bytes come back as zeros; a whole image, a longer gap (no
     dropped terminator) and a non-ELF blob are left as they are."""
     header = bytearray(0x40)
@@ -150,11 +150,11 @@ def test_whole_cubin_restores_a_dropped_terminator_only():
     struct.pack_into("<HHHH", header, 0x36, 0x38, 1, 0x40, 0)
     whole = bytes(header) + bytes(range(0x38))             # one program header: 0x78 bytes in all
     assert jit.elf_extent(whole) == len(whole) == 0x78
-    assert jit._whole_cubin(whole[:-1]) == whole[:-1] + b"\0"
-    assert jit._whole_cubin(whole[:-8]) == whole[:-8] + bytes(8)
-    assert jit._whole_cubin(whole[:-9]) == whole[:-9]
-    assert jit._whole_cubin(whole) == whole
-    assert jit._whole_cubin(b"not an elf image" * 8) == b"not an elf image" * 8
+    assert jit.whole_cubin(whole[:-1]) == whole[:-1] + b"\0"
+    assert jit.whole_cubin(whole[:-8]) == whole[:-8] + bytes(8)
+    assert jit.whole_cubin(whole[:-9]) == whole[:-9]
+    assert jit.whole_cubin(whole) == whole
+    assert jit.whole_cubin(b"not an elf image" * 8) == b"not an elf image" * 8
 
 
 def test_a_new_process_finds_the_cubin_on_disk(kernels):

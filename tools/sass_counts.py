@@ -95,7 +95,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         # A cubin cached before jit kept the whole image lacks its last byte: cuobjdump needs it.
         cubin = Path(folder) / "kernel.cubin"
-        cubin.write_bytes(jit._whole_cubin(result.path.read_bytes()))
+        cubin.write_bytes(jit.whole_cubin(result.path.read_bytes()))
         sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], check=True, capture_output=True,
                               text=True).stdout
     for name, code in kernels(sass).items():
