@@ -67,6 +67,13 @@
 #define KVC_ROUND_STEPS 0
 #endif
 
+// Row staging: each thread issues its copies of the next tile before computing
+// the current one (after every warp has left that stage), not after: two stages
+// then keep a tile in flight (two blocks a multiprocessor at d = 96).
+#ifndef KVC_ROWS_BEFORE
+#define KVC_ROWS_BEFORE 0
+#endif
+
 // Row staging: threads a token's rows, forced (timing variants; 0: stage_rows' rule).
 #ifndef KVC_ROW_LANES
 #define KVC_ROW_LANES 0
@@ -1066,7 +1073,7 @@ struct Attention {
     // (tools/decode_variants.py, alternating runs): 3.07-3.15 / 2.63-2.74 TB/s
     // against 2.73-2.85 / 2.42-2.58 issued before. With two stages that would
     // leave no copy in flight: the launcher takes bulk copies there.
-    static_assert(KVC_STAGING != KVC_STAGE_ROWS || STAGES >= 3, "row staging: three stages or more");
+    static_assert(KVC_STAGING != KVC_STAGE_ROWS || STAGES >= 3 || KVC_ROWS_BEFORE, "row staging: three stages or more");
     // The caller's query (p.query null) is read and rotated before the first
     // tiles' copies go out, with the first pages' ids loading alongside (the
     // same depth of dependent loads). Issued after those copies, its loads
@@ -1258,6 +1265,13 @@ struct Attention {
       const int next_base = key_lo + next * TILE;
       if constexpr (KVC_STAGING == KVC_STAGE_ROWS) {
         if (!KVC_COMPUTE_ONLY || tile < STAGES - 1) mbarrier_wait(barriers + 8 * (tile % STAGES), (tile / STAGES) & 1);
+        if (KVC_ROWS_BEFORE && !KVC_COMPUTE_ONLY && next < num_tiles) {
+          // Its stage last held tile - 1: every warp must be done with that.
+          if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
+          slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+          stage_rows(p, smem, next % STAGES, head0, next_base, key_lo, key_hi, block_shift, window);
+          cp_async_arrive_noinc(barriers + 8 * (next % STAGES));
+        }
       } else if constexpr (KVC_STAGING == KVC_STAGE_BULK) {
         if (warp == 0 && next < num_tiles) {
           // Its stage last held tile - 1: wait until every warp is done with that.
@@ -1492,7 +1506,7 @@ struct Attention {
         }
       }
       if constexpr (KVC_MBARRIERS) mbarrier_arrive(barriers + 8 * (STAGES + tile % STAGES));   // done with the stage
-      if constexpr (KVC_STAGING == KVC_STAGE_ROWS && !KVC_COMPUTE_ONLY) {
+      if constexpr (KVC_STAGING == KVC_STAGE_ROWS && !KVC_COMPUTE_ONLY && !KVC_ROWS_BEFORE) {
         if (next < num_tiles) {
           // Its stage last held tile - 1: every warp must be done with that.
           if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);

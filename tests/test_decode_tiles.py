@@ -108,14 +108,17 @@ def test_auto_caches_keep_thread_copies_otherwise(case, monkeypatch):
     assert chosen.staging == ca.STAGE_THREADS
 
 
-@pytest.mark.parametrize("head_pad", [128, 96])
-def test_int4_takes_one_block_of_64_token_tiles(head_pad):
-    """int4, one quad, d = 128 and 96, row copies: 64-token tiles, one block of 8
-    warps a multiprocessor (measured faster where splits are long: cuda_attention)."""
+@pytest.mark.parametrize("head_pad,stages,blocks", [(128, 3, 1), (96, 2, 2)])
+def test_int4_takes_64_token_tiles(head_pad, stages, blocks):
+    """int4, one quad, row copies: 64-token tiles (measured faster where splits are
+    long: cuda_attention), at d = 128 one block of 8 warps a multiprocessor, at
+    d = 96 two of two stages, their row copies issued before a tile."""
     chosen = ca._long_tile(Kernel(KV_INT4, head_pad, 8, 1, 32, 16, ca.STAGE_ROWS))
-    assert (chosen.tile, chosen.stages, chosen.blocks_per_sm) == (ca.DECODE_LONG_TILE, 3, 1)
-    assert chosen.shared_bytes <= ca.SHARED_BYTES_PER_SM
+    assert (chosen.tile, chosen.stages, chosen.blocks_per_sm) == (ca.DECODE_LONG_TILE, stages, blocks)
+    assert chosen.shared_bytes <= ca.SHARED_BYTES_PER_SM // blocks
     assert chosen.blocks_per_sm * chosen.heads >= ca.DECODE_ROUND_MIN_WARPS
+    assert chosen.rows_before == (stages < ca.ROW_STAGING_MIN_STAGES)
+    assert chosen.defines.get("KVC_ROWS_BEFORE", 0) == int(chosen.rows_before)
 
 
 @pytest.mark.parametrize("kernel", [
@@ -131,11 +134,11 @@ def test_others_keep_32_token_tiles(kernel):
 
 
 def test_check_compiles_the_long_tile():
-    """`kvcupy check`'s sample and --all both build the kernel the planner takes."""
-    for head_pad in (128, 96):
-        long_tile = Kernel(KV_INT4, head_pad, 8, 1, ca.DECODE_LONG_TILE, 16, ca.STAGE_ROWS).defines
+    """`kvcupy check`'s sample and --all both build the kernels the planner takes."""
+    one_block = Kernel(KV_INT4, 96, 8, 1, ca.DECODE_LONG_TILE, 16, ca.STAGE_ROWS)
+    for kernel in (replace(one_block, head_pad=128), one_block, replace(one_block, stages=2)):
         for every in (False, True):
-            assert any(spec.defines == long_tile for spec in ca.specialisations(every))
+            assert any(spec.defines == kernel.defines for spec in ca.specialisations(every)), kernel
 
 
 def splitting(longest: int, slots: int = 132):
@@ -164,6 +167,24 @@ def test_short_splits_take_32_token_tiles_and_split_again():
     assert kernel == replace(LONG, tile=ca.DECODE_ROUND_TILE)
     assert (splits, tokens) == splitting(4096)(kernel)
     assert tokens < ca.DECODE_LONG_TILE_MIN_SPLIT_TOKENS
+
+
+TWO_BLOCKS = Kernel(KV_INT4, 96, 8, 1, ca.DECODE_LONG_TILE, 16, ca.STAGE_ROWS, stages=2)
+
+
+def test_two_blocks_stay_where_the_splits_are_long():
+    kernel, splits, tokens = ca._fit_tile_to_splits(TWO_BLOCKS, splitting(32768, slots=8))
+    assert (kernel, splits, tokens) == (TWO_BLOCKS, 8, 4096)
+
+
+@pytest.mark.parametrize("longest,tile", [(8192, ca.DECODE_LONG_TILE), (2048, ca.DECODE_ROUND_TILE)])
+def test_short_splits_take_one_block_of_three_stages(longest, tile):
+    """Splits of fewer than DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS keys: the one-block
+    build of three stages, split again, and on to 32-token tiles where those
+    splits are short too."""
+    kernel, splits, tokens = ca._fit_tile_to_splits(TWO_BLOCKS, splitting(longest, slots=8))
+    assert kernel == replace(TWO_BLOCKS, stages=ca.STAGES, tile=tile)
+    assert not kernel.rows_before and (splits, tokens) == splitting(longest, slots=8)(kernel)
 
 
 def test_long_split_tokens_step_down_to_16(monkeypatch):

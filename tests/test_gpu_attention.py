@@ -589,13 +589,16 @@ def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_s
     ((32768, 1000), 32, "default", {}),
     ((700, 300), 16, "default", dict(sliding_window=100, softcap=5.0, sinks=True)),
 ], ids=["short", "block8", "block128-none", "32768", "window-softcap-sinks"])
-@pytest.mark.parametrize("head_size", [128, 96])
-def test_int4_decode_with_64_token_tiles(head_size, seq_lens, block_size, rotation, options, monkeypatch):
+@pytest.mark.parametrize("head_size,stages", [(128, 3), (96, 3), (96, 2)])
+def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size, rotation, options, monkeypatch):
     """int4 decode on 64-token tiles (cuda_attention._long_tile), forced here for
     splits of any length (the planner takes them for splits of 1024 keys and more),
-    at d = 128 and 96 (three 128-byte lines a token's row): partial tiles, pages of
-    8 to 128 tokens, a window, softcap and sinks."""
+    at d = 128 and 96 (three 128-byte lines a token's row), and at d = 96 the two-block
+    build of two stages (row copies issued before a tile; the planner's from 2048
+    keys a split) as well as the one-block build: partial tiles, pages of 8 to 128
+    tokens, a window, softcap and sinks."""
     monkeypatch.setattr(cuda_attention, "DECODE_LONG_TILE_MIN_SPLIT_TOKENS", 0)
+    monkeypatch.setattr(cuda_attention, "DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS", 0 if stages == 2 else 1 << 30)
     rng = np.random.default_rng(len(seq_lens) + block_size)
     batch = paged_batch(rng, list(seq_lens), [1] * len(seq_lens), block_size)
     cache = host_cache(rng, batch, "int4_per_token_head", head_size, 8, block_size, np.float16, rotation)
@@ -610,7 +613,7 @@ def test_int4_decode_with_64_token_tiles(head_size, seq_lens, block_size, rotati
                             num_query_tokens=batch.num_queries)
     out = from_device(kc.paged_attention(cupy.asarray(query), view, batch=planned, **options), np.float32)
     (plan,) = planned._backend_plans.values()
-    assert plan.kernel.tile == cuda_attention.DECODE_LONG_TILE, plan.kernel
+    assert (plan.kernel.tile, plan.kernel.stages) == (cuda_attention.DECODE_LONG_TILE, stages), plan.kernel
     check(f"long tiles {seq_lens} B={block_size} {rotation} {options}", out, expected, np.float32)
 
 

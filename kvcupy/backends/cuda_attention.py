@@ -105,6 +105,18 @@ DECODE_ROUND_MAX_HEAD_PAD = 128   # larger heads: not measured, they keep 16-tok
 DECODE_LONG_TILE = 64
 DECODE_LONG_TILE_HEAD_PADS = (96, 128)
 DECODE_LONG_TILE_MIN_SPLIT_TOKENS = 1024
+# At d = 96 the 64-token tiles' math is bound by the latency of each warp's
+# chains, two warps a scheduler (ncu: 0.53 issued a cycle, 27% of the stall
+# samples waiting on a fixed latency): two stages instead of three, the row
+# copies of tile t + 1 issued before tile t (attention.cuh's KVC_ROWS_BEFORE,
+# Kernel.rows_before), fit two blocks a multiprocessor (_long_tile). H200,
+# tools/decode_variants.py, blockdiag, alternating, ms, two blocks vs one:
+# 32 x 32768 0.2753 / 0.2753 / 0.2755 vs 0.2884 / 0.2883 / 0.2880 (8 splits
+# against 4); with splits of 1024 keys slower: 32 x 8192 0.0819 / 0.0818 vs
+# 0.0814 / 0.0813, 8 x 32768 0.0826 / 0.0829 vs 0.0826 / 0.0825. Splits
+# shorter than DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS keep the one-block build.
+DECODE_TWO_BLOCK_HEAD_PADS = (96,)
+DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS = 2048
 # Prefill (prefill.cuh): batches whose longest query run has at least this many
 # (query token, head) rows per KV head take the prefill kernel, head sizes up to
 # PREFILL_MAX_HEAD_PAD (above, its register-held accumulators would spill).
@@ -248,12 +260,22 @@ class Kernel:
         by_warps = max(1, (16 if self.quads == 1 and self.head_pad <= 128 else 8) // self.heads)
         return min(by_shared, by_warps)
 
+    @functools.cached_property
+    def rows_before(self) -> bool:
+        """Row copies of the next tile issued before the current one (attention.cuh's
+        KVC_ROWS_BEFORE): with fewer than ROW_STAGING_MIN_STAGES stages, issued after
+        it they would leave no tile in flight."""
+        return self.staging == STAGE_ROWS and self.stages < ROW_STAGING_MIN_STAGES
+
     @property
     def defines(self) -> dict:
-        return {"KVC_ATTN_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_HEADS": self.heads,
-                "KVC_QUADS": self.quads, "KVC_TILE": self.tile, "KVC_STAGES": self.stages,
-                "KVC_CHUNK": self.chunk, "KVC_MIN_BLOCKS": self.blocks_per_sm,
-                "KVC_STAGING": self.staging}
+        defines = {"KVC_ATTN_KV": self.kv, "KVC_HEAD_PAD": self.head_pad, "KVC_HEADS": self.heads,
+                   "KVC_QUADS": self.quads, "KVC_TILE": self.tile, "KVC_STAGES": self.stages,
+                   "KVC_CHUNK": self.chunk, "KVC_MIN_BLOCKS": self.blocks_per_sm,
+                   "KVC_STAGING": self.staging}
+        if self.rows_before:   # (only then: every other build keeps its compile key)
+            defines["KVC_ROWS_BEFORE"] = 1
+        return defines
 
     @functools.cached_property
     def row_bytes(self) -> int:
@@ -528,13 +550,17 @@ def _long_tile(kernel: Kernel) -> Kernel:
     """64-token tiles for int4 decode of one quad at DECODE_LONG_TILE_HEAD_PADS with
     row copies, where one block of them fills a multiprocessor with at least
     DECODE_ROUND_MIN_WARPS warps: the measured builds (plan_attention keeps 32
-    for short splits)."""
+    for short splits). At DECODE_TWO_BLOCK_HEAD_PADS, two stages where that fits
+    two such blocks (rows_before; plan_attention keeps three for short splits)."""
     if (kernel.kv != KV_INT4 or kernel.quads != 1 or kernel.tile != DECODE_ROUND_TILE or kernel.staging != STAGE_ROWS
             or kernel.head_pad not in DECODE_LONG_TILE_HEAD_PADS):
         return kernel
     longer = replace(kernel, tile=DECODE_LONG_TILE)
     if longer.shared_bytes > SHARED_BYTES_PER_SM or longer.blocks_per_sm != 1 or longer.heads < DECODE_ROUND_MIN_WARPS:
         return kernel
+    two_blocks = replace(longer, stages=2)
+    if kernel.head_pad in DECODE_TWO_BLOCK_HEAD_PADS and two_blocks.blocks_per_sm == 2:
+        return two_blocks
     return longer
 
 
@@ -846,16 +872,19 @@ def _fit_tile_to_splits(kernel, split_keys) -> tuple:
     split (split_keys(kernel)). A decode kernel's 64-token tiles step down to 32
     where a split would hold fewer than DECODE_LONG_TILE_MIN_SPLIT_TOKENS keys,
     then any longer tile to 16 below LONG_SPLIT_TOKENS; each step splits again
-    (shorter tiles allow more splits). Prefill kernels keep theirs."""
+    (shorter tiles allow more splits); before those, a two-block build of 64-token
+    tiles (_long_tile) takes one block of three stages where a split would hold
+    fewer than DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS keys. Prefill kernels keep theirs."""
     splits, split_tokens = split_keys(kernel)
     while isinstance(kernel, Kernel):
-        if kernel.tile == DECODE_LONG_TILE and split_tokens < DECODE_LONG_TILE_MIN_SPLIT_TOKENS:
-            shorter = DECODE_ROUND_TILE
+        if kernel.tile == DECODE_LONG_TILE and kernel.rows_before and split_tokens < DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS:
+            kernel = replace(kernel, stages=STAGES)   # one block of three stages
+        elif kernel.tile == DECODE_LONG_TILE and split_tokens < DECODE_LONG_TILE_MIN_SPLIT_TOKENS:
+            kernel = replace(kernel, tile=DECODE_ROUND_TILE)
         elif kernel.tile > 16 and split_tokens < LONG_SPLIT_TOKENS:
-            shorter = 16
+            kernel = replace(kernel, tile=16)
         else:
             break
-        kernel = replace(kernel, tile=shorter)
         splits, split_tokens = split_keys(kernel)
     return kernel, splits, split_tokens
 
@@ -1100,7 +1129,8 @@ def specialisations(all: bool) -> list:
                         settled = [_settle_staging(_round_tile(Kernel(kv, head_pad, heads, quads, tile, 16, staging)),
                                                    quantized)
                                    for staging in stagings]
-                        kernels += settled + [longer for longer in map(_long_tile, settled) if longer not in settled]
+                        for longer in map(_long_tile, settled):   # and the one-block build of short splits
+                            kernels += [k for k in (longer, replace(longer, stages=STAGES)) if k not in kernels]
                 if head_pad <= PREFILL_MAX_HEAD_PAD:
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, False))
                     kernels += _short_prompt_builds(kv, head_pad, 16)
@@ -1115,6 +1145,7 @@ def specialisations(all: bool) -> list:
                    Kernel(KV_FP8, 128, 4, 4, 16, 16, STAGE_ROWS), Kernel(KV_FP8, 128, 8, 1, 32, 16, STAGE_ROWS),
                    Kernel(KV_INT8, 96, 8, 1, 32, 16, STAGE_BULK, 2), Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS),
                    _long_tile(Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS)),
+                   replace(_long_tile(Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS)), stages=STAGES),
                    Kernel(KV_F16, 128, 4, 1, 16, 16), Kernel(KV_BF16, 128, 4, 1, 16, 16, STAGE_ROWS),
                    Kernel(KV_BF16, 96, 4, 2, 16, 8), Kernel(KV_BF16, 64, 4, 1, 16, 16),
                    PrefillKernel.planned(KV_INT4, 128, 16, False), PrefillKernel.planned(KV_INT8, 96, 4, False),
