@@ -1072,7 +1072,8 @@ struct Attention {
     // there for the slowest). Int4, d = 128 / 96, 32 x 32768, H200
     // (tools/decode_variants.py, alternating runs): 3.07-3.15 / 2.63-2.74 TB/s
     // against 2.73-2.85 / 2.42-2.58 issued before. With two stages that would
-    // leave no copy in flight: the launcher takes bulk copies there.
+    // leave no copy in flight: the launcher takes bulk copies there, or issues
+    // them before the tile (KVC_ROWS_BEFORE: two blocks a multiprocessor, d = 96).
     static_assert(KVC_STAGING != KVC_STAGE_ROWS || STAGES >= 3 || KVC_ROWS_BEFORE, "row staging: three stages or more");
     // The caller's query (p.query null) is read and rotated before the first
     // tiles' copies go out, with the first pages' ids loading alongside (the
