@@ -141,6 +141,18 @@ def test_check_compiles_the_long_tile():
             assert any(spec.defines == kernel.defines for spec in ca.specialisations(every)), kernel
 
 
+def test_check_all_adds_only_the_long_tiles_other_builds():
+    """--all keeps the 32-token builds that short splits step down to, and gives no
+    two-stage build a three-stage twin that the planner never takes (only the
+    two-block long tile has one: its short splits' one-block build)."""
+    every = [spec.defines for spec in ca.specialisations(True) if "KVC_STAGES" in spec.defines]
+    for head_pad in (128, 96):
+        assert Kernel(KV_INT4, head_pad, 8, 1, ca.DECODE_ROUND_TILE, 16, ca.STAGE_ROWS).defines in every
+    for kv in (KV_INT8, KV_FP8):   # _round_tile's two stages at d = 96
+        two_stages = Kernel(kv, 96, 8, 1, ca.DECODE_ROUND_TILE, 16, ca.STAGE_BULK, stages=2)
+        assert two_stages.defines in every and replace(two_stages, stages=ca.STAGES).defines not in every
+
+
 def splitting(longest: int, slots: int = 132):
     """A stand-in for plan_attention's split_keys: the splits a sequence of `longest`
     keys gets on `slots` blocks, in whole tiles (4 tiles a split at least)."""

@@ -1130,8 +1130,10 @@ def specialisations(all: bool) -> list:
                         settled = [_settle_staging(_round_tile(Kernel(kv, head_pad, heads, quads, tile, 16, staging)),
                                                    quantized)
                                    for staging in stagings]
-                        for longer in map(_long_tile, settled):   # and the one-block build of short splits
-                            kernels += [k for k in (longer, replace(longer, stages=STAGES)) if k not in kernels]
+                        longer = [_long_tile(kernel) for kernel in settled]
+                        # and the one-block build that the two-block one's short splits take
+                        one_block = [replace(kernel, stages=STAGES) for kernel in longer if kernel.rows_before]
+                        kernels += settled + [kernel for kernel in longer + one_block if kernel not in settled]
                 if head_pad <= PREFILL_MAX_HEAD_PAD:
                     kernels.append(PrefillKernel.planned(kv, head_pad, 16, False))
                     kernels += _short_prompt_builds(kv, head_pad, 16)
