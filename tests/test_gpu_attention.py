@@ -588,7 +588,8 @@ def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_s
     ((2048, 129), 128, "none", {}),
     ((32768, 1000), 32, "default", {}),
     ((700, 300), 16, "default", dict(sliding_window=100, softcap=5.0, sinks=True)),
-], ids=["short", "block8", "block128-none", "32768", "window-softcap-sinks"])
+    ((448, 449, 512, 513), 16, "default", dict(one_split=True)),
+], ids=["short", "block8", "block128-none", "32768", "window-softcap-sinks", "early-last-stage"])
 @pytest.mark.parametrize("head_size,stages", [(128, 3), (96, 3), (96, 2)])
 def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size, rotation, options, monkeypatch):
     """int4 decode on 64-token tiles (cuda_attention._long_tile), forced here for
@@ -596,14 +597,18 @@ def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size
     at d = 128 and 96 (three 128-byte lines a token's row), and at d = 96 the two-block
     build of two stages (row copies issued before a tile; the planner's from 2048
     keys a split) as well as the one-block build: partial tiles, pages of 8 to 128
-    tokens, a window, softcap and sinks."""
+    tokens, a window, softcap and sinks; and splits of 7 and 8 tiles, either side
+    of the three-stage build's early copies of its last stage (kEarlyLastMinTiles)."""
     monkeypatch.setattr(cuda_attention, "DECODE_LONG_TILE_MIN_SPLIT_TOKENS", 0)
     monkeypatch.setattr(cuda_attention, "DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS", 0 if stages == 2 else 1 << 30)
+    options = dict(options)
+    one_split = options.pop("one_split", False)
+    if one_split:   # a block a sequence: 7, 8 (one partial), 8 and 9 tiles
+        monkeypatch.setattr(cuda_attention, "choose_splits", lambda *args: 1)
     rng = np.random.default_rng(len(seq_lens) + block_size)
     batch = paged_batch(rng, list(seq_lens), [1] * len(seq_lens), block_size)
     cache = host_cache(rng, batch, "int4_per_token_head", head_size, 8, block_size, np.float16, rotation)
     query = (rng.standard_normal((batch.num_queries, 32, head_size)) * 2).astype(np.float32)
-    options = dict(options)
     if options.get("sinks"):
         options["sinks"] = rng.standard_normal(32).astype(np.float32)
     args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
@@ -614,6 +619,7 @@ def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size
     out = from_device(kc.paged_attention(cupy.asarray(query), view, batch=planned, **options), np.float32)
     (plan,) = planned._backend_plans.values()
     assert (plan.kernel.tile, plan.kernel.stages) == (cuda_attention.DECODE_LONG_TILE, stages), plan.kernel
+    assert plan.num_splits == 1 or not one_split, plan.num_splits
     check(f"long tiles {seq_lens} B={block_size} {rotation} {options}", out, expected, np.float32)
 
 

@@ -1,10 +1,11 @@
 """Where a decode call's time goes, block by block: global-timer stamps of every
 attention and merge block (attention.cuh's KVC_TRACE build) over one call.
 
-    PYTHONPATH=.:tools python3 tools/decode_trace.py [KV_DTYPE] [SHAPE]
+    PYTHONPATH=.:tools python3 tools/decode_trace.py [KV_DTYPE] [SHAPE] [DEFINES]
 
 SHAPE is a JSON object over decode_variants.py's default shape (e.g.
-'{"batch": 32, "context": 8192, "rotation": "blockdiag"}'). After warm-up calls
+'{"batch": 32, "context": 8192, "rotation": "blockdiag"}'); DEFINES, a JSON object
+of extra -D defines for the attention build (timing variants). After warm-up calls
 of the traced build, one call runs on an idle GPU; times are in microseconds
 from the first attention block's start. Prints percentiles of each block's
 phases (prologue and its steps, first tile's wait, tile loop, epilogue), when
@@ -68,10 +69,12 @@ def main() -> None:
     kv_dtype = sys.argv[1] if len(sys.argv) > 1 else "int4_per_token_head"
     shape = {**DEFAULT_SHAPE, **(json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})}
     case = decode_case(kv_dtype, shape, np.random.default_rng(0))
+    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     plain = cuda_attention.Plan.function
 
     def traced(self, name, defines, kernel=None):
-        return plain(self, name, {**defines, "KVC_TRACE": TRACE_BLOCKS}, kernel)
+        more = extra if "KVC_OUT_T" not in defines else {}   # (the merge's build takes none)
+        return plain(self, name, {**defines, **more, "KVC_TRACE": TRACE_BLOCKS}, kernel)
 
     cuda_attention.Plan.function = traced
     batch = kc.plan_batch(block_table=case["table"], seq_lens=np.full(shape["batch"], shape["context"], np.int32),
