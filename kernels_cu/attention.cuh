@@ -1067,10 +1067,10 @@ struct Attention {
     const int num_tiles = key_hi > key_lo ? (key_hi - key_lo + TILE - 1) / TILE : 0;
     u8* const barriers = smem + T::kBarrierOffset;   // bulk and row staging: full[STAGES], then empty[STAGES]
     // Row staging: each warp copies its share of tile t + STAGES - 1 after
-    // computing tile t (in long splits, tile STAGES - 1 before the loop, where
-    // its stage frees) rather than before, into the stage of tile t - 1, which
-    // by then the other warps have most likely left too (before t, every warp
-    // waited there for the slowest). Int4, d = 128 / 96, 32 x 32768, H200
+    // computing tile t (of 64-token tiles, tile STAGES - 1 before the loop,
+    // where its stage frees) rather than before, into the stage of tile t - 1,
+    // which by then the other warps have most likely left too (before t, every
+    // warp waited there for the slowest). Int4, d = 128 / 96, 32 x 32768, H200
     // (tools/decode_variants.py, alternating runs): 3.07-3.15 / 2.63-2.74 TB/s
     // against 2.73-2.85 / 2.42-2.58 issued before. With two stages that would
     // leave no copy in flight: the launcher takes bulk copies there, or issues
@@ -1218,19 +1218,19 @@ struct Attention {
     // Every warp is done with its query rows before copies land there (tile 0's loop).
     trace_mark(kTraceQueryReady);
     if (own_query) __syncthreads();
-    // Row staging, copies after the tile: the last stage is free now (it held the
-    // query rows), so where a split holds kEarlyLastMinTiles tiles or more, tile
-    // STAGES - 1 goes out before tile 0's math, not after it. Int4 (H200,
-    // tools/decode_variants.py, alternating, ms): d = 128 32 x 32768 0.3196 /
-    // 0.3177 against 0.3222 / 0.3209, 64 x 2048 0.0555 / 0.0554 against 0.0560 /
-    // 0.0558, d = 96 32 x 8192 0.0803 / 0.0806 against 0.0813 / 0.0815; but 4 x
-    // 4096 (five 32-token tiles a split) 0.0246 / 0.0247 against 0.0242 / 0.0241:
-    // issuing them delays a short split's first tile more than it gains.
-    constexpr int kEarlyLastMinTiles = 8;
-    [[maybe_unused]] const bool early_last = num_tiles >= kEarlyLastMinTiles;
-    if constexpr (KVC_STAGING == KVC_STAGE_ROWS && !KVC_ROWS_BEFORE && !KVC_COMPUTE_ONLY) {
+    // Row staging, copies after the tile, 64-token tiles (int4 decode's, which
+    // the planner takes for splits of 1024 keys or more): the last stage is free
+    // now (it held the query rows), so tile STAGES - 1 goes out before tile 0's
+    // math, not after it. Int4 (H200, tools/decode_variants.py, alternating, every build
+    // compiled there, ms): d = 128 32 x 32768 0.3163 / 0.3166 against 0.3187 /
+    // 0.3184, 32 x 8192 0.0922 / 0.0924 against 0.0927 / 0.0927. Shorter tiles
+    // keep the copies after tile 0: with five 32-token tiles a split (4 x 4096)
+    // it lost 2%, and a run-time test of the split's length cost the long
+    // splits 1-2% (docs/gpu-notes.md, Decode).
+    constexpr bool kEarlyLast = KVC_STAGING == KVC_STAGE_ROWS && !KVC_ROWS_BEFORE && !KVC_COMPUTE_ONLY && TILE >= 64;
+    if constexpr (kEarlyLast) {
       constexpr int kLast = STAGES - 1;
-      if (early_last) {
+      if (kLast < num_tiles) {
         slide_window(window, p, table, (key_lo + kLast * TILE) >> block_shift, key_lo, key_hi, block_shift);
         stage_rows(p, smem, kLast, head0, key_lo + kLast * TILE, key_lo, key_hi, block_shift, window);
         cp_async_arrive_noinc(barriers + 8 * kLast);
@@ -1527,7 +1527,7 @@ struct Attention {
       }
       if constexpr (KVC_MBARRIERS) mbarrier_arrive(barriers + 8 * (STAGES + tile % STAGES));   // done with the stage
       if constexpr (KVC_STAGING == KVC_STAGE_ROWS && !KVC_COMPUTE_ONLY && !KVC_ROWS_BEFORE) {
-        if (next < num_tiles && (next >= STAGES || !early_last)) {   // (or it went out before the loop)
+        if (next < num_tiles && (!kEarlyLast || next >= STAGES)) {   // (or it went out before the loop)
           // Its stage last held tile - 1: every warp must be done with that.
           if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
           slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);

@@ -588,7 +588,7 @@ def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_s
     ((2048, 129), 128, "none", {}),
     ((32768, 1000), 32, "default", {}),
     ((700, 300), 16, "default", dict(sliding_window=100, softcap=5.0, sinks=True)),
-    ((448, 449, 512, 513), 16, "default", dict(one_split=True)),
+    ((128, 129, 192, 256), 16, "default", dict(one_split=True)),
 ], ids=["short", "block8", "block128-none", "32768", "window-softcap-sinks", "early-last-stage"])
 @pytest.mark.parametrize("head_size,stages", [(128, 3), (96, 3), (96, 2)])
 def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size, rotation, options, monkeypatch):
@@ -597,13 +597,14 @@ def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size
     at d = 128 and 96 (three 128-byte lines a token's row), and at d = 96 the two-block
     build of two stages (row copies issued before a tile; the planner's from 2048
     keys a split) as well as the one-block build: partial tiles, pages of 8 to 128
-    tokens, a window, softcap and sinks; and splits of 7 and 8 tiles, either side
-    of the three-stage build's early copies of its last stage (kEarlyLastMinTiles)."""
+    tokens, a window, softcap and sinks; and one split a sequence of 2, 3 and 4
+    tiles, around the three-stage build's copies of its last stage before tile 0
+    (kEarlyLast)."""
     monkeypatch.setattr(cuda_attention, "DECODE_LONG_TILE_MIN_SPLIT_TOKENS", 0)
     monkeypatch.setattr(cuda_attention, "DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS", 0 if stages == 2 else 1 << 30)
     options = dict(options)
     one_split = options.pop("one_split", False)
-    if one_split:   # a block a sequence: 7, 8 (one partial), 8 and 9 tiles
+    if one_split:   # a block a sequence: 2, 3 (one partial), 3 and 4 tiles
         monkeypatch.setattr(cuda_attention, "choose_splits", lambda *args: 1)
     rng = np.random.default_rng(len(seq_lens) + block_size)
     batch = paged_batch(rng, list(seq_lens), [1] * len(seq_lens), block_size)
