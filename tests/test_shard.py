@@ -53,6 +53,29 @@ def test_gpu_tests_tool_runs_the_parts_and_sums_them(tmp_path):
     assert broken.returncode == 1 and "2 parts failed" in broken.stdout, broken.stdout + broken.stderr
 
 
+def test_parts_split_over_two_calls_cover_the_selection_once(tmp_path):
+    """--only K-L: two calls, each starting half of four parts, pass every test of
+    the selection between them, and log only their own parts."""
+    expected = len(collected())
+    first = run_tool(tmp_path / "first", "--parts", "4", "--only", "0-1", "--", "-q", str(SAMPLE))
+    second = run_tool(tmp_path / "second", "--parts", "4", "--only", "2-3", "--", "-q", str(SAMPLE))
+    counts = []
+    for ran, logs, parts in ((first, "first", (0, 1)), (second, "second", (2, 3))):
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        assert sorted(path.name for path in (tmp_path / logs).iterdir()) == [f"part{k}.log" for k in parts]
+        counts.append(int(ran.stdout.splitlines()[-1].removeprefix("total: ").removesuffix(" passed")))
+    assert sum(counts) == expected and all(counts), (counts, expected)
+
+
+@pytest.mark.parametrize("text", ["2-1", "0-4", "-1", "x", "1-y", "4"])
+def test_bad_part_ranges_are_refused(text):
+    """--only names the parts it cannot start, and starts none."""
+    tool = load_tool()
+    with pytest.raises(ValueError, match="--only"):
+        tool.parse_only(text, 4)
+    assert list(tool.parse_only("1-2", 4)) == [1, 2] and list(tool.parse_only("3", 4)) == [3]
+
+
 def load_tool():
     spec = importlib.util.spec_from_file_location("gpu_tests", SAMPLE.parent.parent / "tools" / "gpu_tests.py")
     tool = importlib.util.module_from_spec(spec)

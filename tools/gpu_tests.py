@@ -1,6 +1,6 @@
 """The GPU tests (or any pytest selection) in N processes that share one GPU.
 
-    PYTHONPATH=. python3 tools/gpu_tests.py [--parts 16] [--logs DIR] [--timeout S] [-- PYTEST_ARGS...]
+    PYTHONPATH=. python3 tools/gpu_tests.py [--parts 16] [--only K-L] [--logs DIR] [--timeout S] [-- PYTEST_ARGS...]
 
 Part k runs `pytest --shard k/N PYTEST_ARGS` (tests/conftest.py; PYTEST_ARGS
 default to `-m gpu -q tests`), so the parts compile the builds their tests take
@@ -9,7 +9,10 @@ locks keep two parts from compiling one build twice. Each part's output goes to
 DIR/part<k>.log. Prints each part's summary line and the totals (a part stopped
 by --timeout: the outcomes its log shows so far, from pytest's progress
 characters or, with -v, its result words); the exit status is 1 where a part
-failed, errored or ran out of time, else 0.
+failed, errored or ran out of time, else 0. --only K-L starts parts K to L
+alone (of --parts N, from 0): a suite too long for one sitting (a device
+call's time limit) runs as several calls with the same N, e.g. --parts 30
+--only 0-14, then --only 15-29, whose parts together cover the selection once.
 """
 
 from __future__ import annotations
@@ -67,11 +70,25 @@ def progress_counts(log: str) -> Counter:
     return counts
 
 
-def run_parts(parts: int, pytest_args: list[str], logs: Path, timeout_s: float) -> tuple[Counter, list[str]]:
-    """Start every part, wait for them; (summed outcomes, one report line a part)."""
+def parse_only(text: str, parts: int) -> range:
+    """--only's "K-L" (or "K"): parts K to L of `parts`, both included."""
+    first, _, last = text.partition("-")
+    try:
+        low, high = int(first), int(last or first)
+    except ValueError:
+        raise ValueError(f"--only takes K or K-L (part numbers), not {text!r}") from None
+    if not 0 <= low <= high < parts:
+        raise ValueError(f"--only {text}: parts are numbered 0 to {parts - 1}, the first no later than the last")
+    return range(low, high + 1)
+
+
+def run_parts(parts: int, pytest_args: list[str], logs: Path, timeout_s: float,
+              indices: range | None = None) -> tuple[Counter, list[str]]:
+    """Start the parts (`indices` of `parts`: every one by default), wait for them;
+    (summed outcomes, one report line a part)."""
     logs.mkdir(parents=True, exist_ok=True)
     started = []
-    for index in range(parts):
+    for index in indices if indices is not None else range(parts):
         log_path = logs / f"part{index}.log"
         handle = open(log_path, "w")
         command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--shard={index}/{parts}", *pytest_args]
@@ -104,13 +121,19 @@ def run_parts(parts: int, pytest_args: list[str], logs: Path, timeout_s: float) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--only", help="K-L: start parts K to L of --parts alone (numbered from 0)")
     parser.add_argument("--logs", type=Path, default=Path("gpu-test-logs"))
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for all parts together")
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments")
     args = parser.parse_args()
     if args.parts < 1:
         parser.error("--parts must be at least 1")
-    totals, lines = run_parts(args.parts, args.pytest_args or list(DEFAULT_PYTEST_ARGS), args.logs, args.timeout)
+    try:
+        indices = parse_only(args.only, args.parts) if args.only is not None else None
+    except ValueError as error:
+        parser.error(str(error))
+    totals, lines = run_parts(args.parts, args.pytest_args or list(DEFAULT_PYTEST_ARGS), args.logs, args.timeout,
+                              indices)
     print("\n".join(lines))
     print("total: " + (", ".join(f"{count} {name}" for name, count in sorted(totals.items())) or "nothing ran"))
     bad = totals["failed"] or totals["error"] or totals["parts timed out"] or totals["parts failed"]
