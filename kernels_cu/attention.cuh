@@ -1637,6 +1637,7 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
 #pragma unroll
     for (int k = 0; k < kMergeSlots; ++k) sign_words[k] = sign_shift >= 0 ? __ldg(signs + k) : 0u;
     wait_for_prerequisites();
+    allow_dependent_launch();   // the next call's attention grid, which waits for this one (attention.cu)
     trace_mark(kTraceLoop);   // the attention grid's results visible
     const float* first_row = part_out + (phase * rows + row) * head_size;
 #pragma unroll

@@ -660,6 +660,63 @@ def test_dependent_merge_waits_for_the_splits(seq_lens, query_lens, monkeypatch)
         check(f"query {which}", dependent[which].astype(np.float64), expected, np.float16)
 
 
+# A kernel that lets its dependents launch at once, then writes `dst` only after
+# wait_ns: an attention kernel launched as its programmatic dependent that read
+# the query before its griddepcontrol.wait would find the old rows.
+LATE_COPY = r"""
+extern "C" __global__ void late_copy(const unsigned short* src, unsigned short* dst, long long n,
+                                     long long wait_ns) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  if (threadIdx.x == 0) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < (unsigned long long)wait_ns);
+  }
+  __syncthreads();
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    dst[i] = src[i];
+}
+"""
+
+
+@pytest.mark.parametrize("seq_lens,query_lens", [((8192, 300, 5000), (1, 1, 1)), ((700, 300), (700, 300))],
+                         ids=["decode-merged", "prefill-direct"])
+def test_dependent_attention_waits_for_the_kernel_before_it(seq_lens, query_lens):
+    """The attention kernel launched as a programmatic dependent (sm_90:
+    DEPENDENT_ATTENTION) reads nothing before the kernel ahead of it is done:
+    the query rows written late by a kernel that lets its dependents launch at
+    once (late_copy, 200 us after its start) are the ones attended, in a split
+    decode (its merge then lets the next call in) and in a one-launch prefill."""
+    rng = np.random.default_rng(sum(seq_lens) + sum(query_lens))
+    batch = paged_batch(rng, list(seq_lens), list(query_lens), 16)
+    cache = host_cache(rng, batch, "int4_per_token_head", 128, 8, 16, np.float16, "default")
+    queries = [(rng.standard_normal((batch.num_queries, 32, 128)) * 2).astype(np.float16) for _ in range(2)]
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    view = device_view(cache)
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    late_copy = cupy.RawKernel(LATE_COPY, "late_copy")
+    sources = [cupy.asarray(query) for query in queries]
+    rows = cupy.empty_like(sources[0])
+    kc.paged_attention(sources[0], view, batch=planned)   # compiled and planned before the timed race
+    outputs = []
+    for call in range(4):   # the rows hold the other query when each copy starts
+        rows[...] = sources[(call + 1) % 2]
+        late_copy((8,), (256,), (sources[call % 2], rows, np.int64(rows.size), np.int64(200_000)))
+        outputs.append(cupy.asnumpy(kc.paged_attention(rows, view, batch=planned)))
+    cupy.cuda.get_current_stream().synchronize()
+    (plan,) = planned._backend_plans.values()
+    capability = int(cupy.cuda.Device().compute_capability)
+    assert plan.dependent_merge == (capability >= 90) and cuda_attention.DEPENDENT_ATTENTION
+    assert plan.num_splits > 1 or query_lens[0] > 1, plan   # decode: split, so merged
+    expected = [reference.paged_attention(query, cache, **args) for query in queries]
+    for call, got in enumerate(outputs):
+        check(f"call {call}", got.astype(np.float64), expected[call % 2], np.float16)
+
+
 @pytest.mark.parametrize("kv_dtype,seq_lens,query_lens", [
     ("int4_per_token_head", (8192, 300, 5000), (1, 1, 1)),
     ("fp8_per_token_head", (700, 2000), (200, 3)),

@@ -17,6 +17,10 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
              take 16-token tiles, whatever "tile" says)
   "dependent_merge": false launches the merge plainly, not as a programmatic
              dependent of the attention kernel (cuda_attention.DEPENDENT_MERGE)
+  "dependent_attention": false launches the attention kernel plainly, not as a
+             programmatic dependent of the kernel before it
+             (cuda_attention.DEPENDENT_ATTENTION; kernel sources from before
+             its wait, given by "src", must take false)
 SHAPE is a JSON object overriding the default decode shape: batch 32, context
 32768, d 128, 8 KV / 32 query heads, block size 16, rotation "none" (pages in
 random order, random codes and scales).
@@ -54,7 +58,8 @@ DEFAULT_SHAPE = dict(batch=32, context=32768, head_size=128, kv_heads=8, query_h
 def overrides(variant: dict):
     """The planner's choices and the kernel's defines forced as the variant says, restored after."""
     saved = (cuda_attention.Kernel.defines, cuda_attention._choose_kernel, cuda_attention.choose_splits,
-             cuda_attention.STAGES, os.environ.get(jit.SOURCE_DIR_ENV), cuda_attention.DEPENDENT_MERGE)
+             cuda_attention.STAGES, os.environ.get(jit.SOURCE_DIR_ENV), cuda_attention.DEPENDENT_MERGE,
+             cuda_attention.DEPENDENT_ATTENTION)
     plain_defines, plain_choose, plain_splits = saved[0].fget, saved[1], saved[2]
     stages = variant.get("stages", cuda_attention.STAGES)
 
@@ -74,6 +79,7 @@ def overrides(variant: dict):
     cuda_attention.choose_splits = splits
     cuda_attention.STAGES = stages
     cuda_attention.DEPENDENT_MERGE = variant.get("dependent_merge", saved[5])
+    cuda_attention.DEPENDENT_ATTENTION = variant.get("dependent_attention", saved[6])
     long_split_tokens = cuda_attention.LONG_SPLIT_TOKENS
     cuda_attention.LONG_SPLIT_TOKENS = variant.get("long_split_tokens", long_split_tokens)
     if variant.get("src"):
@@ -87,6 +93,7 @@ def overrides(variant: dict):
          cuda_attention.STAGES) = saved[:4]
         cuda_attention.LONG_SPLIT_TOKENS = long_split_tokens
         cuda_attention.DEPENDENT_MERGE = saved[5]
+        cuda_attention.DEPENDENT_ATTENTION = saved[6]
         if saved[4] is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
         else:

@@ -32,6 +32,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
                 prefill kernel (cuda_attention.PREFILL_MIN_ROWS; fewer: the decode kernel's row tiles)
   "splits":     the keys' splits a sequence, forced (else choose_prefill_splits decides)
   "split_gain": choose_prefill_splits' PREFILL_SPLIT_GAIN (the modelled gain more splits must promise)
+  "dependent_attention": false: the attention kernel launched plainly, not as a programmatic
+                dependent (cuda_attention.DEPENDENT_ATTENTION; older "src" kernels must take false)
 SHAPES is a JSON list of [sequences, context, new tokens] (default [[4, 8192, 8192]]:
 the prefill target's causal prompt; [4, 32768, 2048] is its chunked prefill, 2048
 new tokens over 30720 cached). 32 query / 8 KV heads, d = 128 (or "head_size"
@@ -115,7 +117,7 @@ CONSTANT_KEYS = {"split_gain": "PREFILL_SPLIT_GAIN", "min_rows": "PREFILL_MIN_RO
                  "producer_min_keys": "PREFILL_PRODUCER_MIN_KEYS", "unrotated": "PREFILL_UNROTATED",
                  "short_keys": "PREFILL_SHORT_KEYS", "short_rotated": "PREFILL_SHORT_ROTATED",
                  "short_warps": "PREFILL_SHORT_WARPS", "short_tile": "PREFILL_SHORT_TILE",
-                 "short_blocks": "PREFILL_SHORT_BLOCKS"}
+                 "short_blocks": "PREFILL_SHORT_BLOCKS", "dependent_attention": "DEPENDENT_ATTENTION"}
 
 
 def with_variant(variant: dict, run):

@@ -4,9 +4,12 @@ A decode call is two launches on the caller's stream, none of which waits
 for the host: the attention kernel reads the caller's query, scales and
 rotates it (blockdiag: butterflies in a warp) and writes each split's
 partial softmax state; the merge kernel combines the splits (and the
-sinks), rotates back and writes `out` (on sm_90 and newer it is launched
-as a programmatic dependent, its blocks waiting in the kernel for the
-attention grid's results instead of behind the launch: cuda_launch.py). A
+sinks), rotates back and writes `out`. On sm_90 and newer both are launched
+as programmatic dependents (cuda_launch.py): the attention grid of whatever
+the stream ran before it, the merge of the attention grid; their blocks wait
+in the kernel (griddepcontrol.wait, before they read anything) instead of
+behind the launch, and each grid lets the next one in once its own wait is
+over, so that at most one grid waits at a time. A
 kron plan's mix takes the rotate
 kernel instead, before (the query, to float32) and after (the merged rows):
 four launches. The prefill kernel reads the caller's query and rotates it
@@ -62,6 +65,14 @@ MERGE_WARPS = 8          # attention.cuh: kMergeWarps (split_warps of them a row
 # sm_90 and newer: the merge's blocks may start before the attention grid ends
 # (cuda_launch.py); False launches it plainly (tools/decode_variants.py's A/B).
 DEPENDENT_MERGE = True
+# sm_90 and newer: the attention kernel too is launched as a programmatic
+# dependent of whatever the stream ran before it, its blocks waiting in the
+# kernel (before any read) instead of behind the launch. False: plainly.
+# H200, alternating in one process against e318999's kernels (int4, blockdiag,
+# ms): 32 x 8192 0.0910 / 0.0908 against 0.0926 / 0.0929, 8 x 32768 0.0914 /
+# 0.0916 against 0.0939 / 0.0936, 4 x 4096 0.0235 / 0.0234 against 0.0247 /
+# 0.0244 (docs/gpu-notes.md, Decode).
+DEPENDENT_ATTENTION = True
 MERGE_SIGNATURE = "PPPPiiiiiPif"   # attention.cu's merge_splits parameters (cuda_launch's codes)
 # The attention entries' 54 parameters (attention.cu, KVC_ATTENTION_ARGS), in
 # cuda_launch's codes: packed into one buffer they cost the host less to launch
@@ -1075,7 +1086,8 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         if PACKED_LAUNCH:
             cuda_launch.launch(plan.entry_handle(kernel), grid, (kernel.threads,), ATTENTION_SIGNATURE,
                                attention_args, stream=cupy.cuda.get_current_stream().ptr,
-                               shared_bytes=kernel.shared_bytes)
+                               shared_bytes=kernel.shared_bytes,
+                               dependent=plan.dependent_merge and DEPENDENT_ATTENTION)
         else:
             plan.entry_function(kernel)(grid, (kernel.threads,),
                                         cuda_launch.numpy_arguments(ATTENTION_SIGNATURE, attention_args),

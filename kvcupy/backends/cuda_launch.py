@@ -16,7 +16,10 @@ A kernel launched as a dependent must execute `griddepcontrol.wait`
 ahead of it writes; the kernel ahead lets it start early with
 `griddepcontrol.launch_dependents` (`allow_dependent_launch`). Without that
 attribute both instructions are no-ops, so one build serves both kinds of
-launch.
+launch. The attention and merge kernels let their dependents in only after
+their own wait: let in at their start, the next call's attention grid and its
+merge both waited at once, their blocks holding slots the running grid needed
+(4 x 4096 decode 30% slower, H200).
 
 What a dependent launch saves: the gap between the last block of one kernel
 and the first of the next (about 5 us between decode's attention and its merge
