@@ -718,7 +718,9 @@ class Plan:
     rotations: dict = field(default_factory=dict)
     builds: dict = field(default_factory=dict)   # for_query's builds, by query dtype and rotation
     handles: dict = field(default_factory=dict)  # CUfunctions for cuda_launch: builds, merges by output dtype
-    dependent_merge: bool = False   # the merge launched as a programmatic dependent (cuda_launch)
+    # sm_90 and newer: the merge (and, with DEPENDENT_ATTENTION, the attention grid)
+    # launched as programmatic dependents (cuda_launch).
+    dependent_merge: bool = False
 
     def rotation_operands(self, rotation, head_pad: int, kv: int, device):
         """rotation_fragments on the device, made once per plan and rotation."""
