@@ -105,13 +105,7 @@ __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
 typedef Attention<KVC_ATTN_KV, KVC_HEAD_PAD, KVC_HEADS, KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK> Kernel;
 
 extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS, KVC_MIN_BLOCKS) paged_attention(KVC_ATTENTION_ARGS) {
-  // Launched as a dependent (cuda_attention.DEPENDENT_ATTENTION): nothing is read
-  // before the kernel ahead is done. Only then may the merge's grid start, whose
-  // blocks wait for this one's results: at most one grid waits at a time (the
-  // merge and the next call's attention, each let in at its start, once left 4 x
-  // 4096 decode 30% slower on an H200, their waiting blocks holding the slots).
-  wait_for_prerequisites();
-  allow_dependent_launch();
+  enter_dependent_grid();   // launched as a dependent (cuda_attention.DEPENDENT_ATTENTION)
   Kernel::run(KVC_ATTENTION_PARAMS, block_shift);
 }
 #endif
@@ -135,13 +129,7 @@ typedef Prefill<KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, K
     PrefillKernel;
 
 extern "C" __global__ void __launch_bounds__(32 * KVC_WARPS, KVC_MIN_BLOCKS) prefill_attention(KVC_ATTENTION_ARGS) {
-  // Launched as a dependent (cuda_attention.DEPENDENT_ATTENTION): nothing is read
-  // before the kernel ahead is done. Only then may the merge's grid start, whose
-  // blocks wait for this one's results: at most one grid waits at a time (the
-  // merge and the next call's attention, each let in at its start, once left 4 x
-  // 4096 decode 30% slower on an H200, their waiting blocks holding the slots).
-  wait_for_prerequisites();
-  allow_dependent_launch();
+  enter_dependent_grid();   // launched as a dependent (cuda_attention.DEPENDENT_ATTENTION)
   PrefillKernel::run(KVC_ATTENTION_PARAMS, block_shift);
 }
 #endif
