@@ -624,6 +624,20 @@ def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size
     check(f"long tiles {seq_lens} B={block_size} {rotation} {options}", out, expected, np.float32)
 
 
+def _two_query_case(seed: int, seq_lens, query_lens) -> tuple:
+    """An int4 cache (d = 128, 8 KV heads, block size 16, the default rotation) over
+    `seq_lens`, two fp16 queries of 32 heads for `query_lens`, the batch's
+    arguments, the cache's device view and its plan: the dependent-launch tests'
+    case, where alternating queries on one plan expose a read that came too early."""
+    rng = np.random.default_rng(seed)
+    batch = paged_batch(rng, list(seq_lens), list(query_lens), 16)
+    cache = host_cache(rng, batch, "int4_per_token_head", 128, 8, 16, np.float16, "default")
+    queries = [(rng.standard_normal((batch.num_queries, 32, 128)) * 2).astype(np.float16) for _ in range(2)]
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    return cache, queries, args, device_view(cache), planned
+
+
 @pytest.mark.parametrize("seq_lens,query_lens", [((32768, 8192, 300, 5000), (1, 1, 1, 1)),
                                                    ((8192, 6000), (256, 128))], ids=["decode", "chunked"])
 def test_dependent_merge_waits_for_the_splits(seq_lens, query_lens, monkeypatch):
@@ -632,13 +646,7 @@ def test_dependent_merge_waits_for_the_splits(seq_lens, query_lens, monkeypatch)
     states: calls alternating between two queries on one plan (one workspace,
     so a merge that read too early would find the other query's states) equal
     the plainly launched merge's bit for bit, and the oracle's."""
-    rng = np.random.default_rng(sum(seq_lens))
-    batch = paged_batch(rng, list(seq_lens), list(query_lens), 16)
-    cache = host_cache(rng, batch, "int4_per_token_head", 128, 8, 16, np.float16, "default")
-    queries = [(rng.standard_normal((batch.num_queries, 32, 128)) * 2).astype(np.float16) for _ in range(2)]
-    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
-    view = device_view(cache)
-    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    cache, queries, args, view, planned = _two_query_case(sum(seq_lens), seq_lens, query_lens)
     device_queries = [cupy.asarray(query) for query in queries]
 
     def outputs(dependent: bool) -> list:
@@ -691,13 +699,7 @@ def test_dependent_attention_waits_for_the_kernel_before_it(seq_lens, query_lens
     the query rows written late by a kernel that lets its dependents launch at
     once (late_copy, 200 us after its start) are the ones attended, in a split
     decode (its merge then lets the next call in) and in a one-launch prefill."""
-    rng = np.random.default_rng(sum(seq_lens) + sum(query_lens))
-    batch = paged_batch(rng, list(seq_lens), list(query_lens), 16)
-    cache = host_cache(rng, batch, "int4_per_token_head", 128, 8, 16, np.float16, "default")
-    queries = [(rng.standard_normal((batch.num_queries, 32, 128)) * 2).astype(np.float16) for _ in range(2)]
-    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
-    view = device_view(cache)
-    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    cache, queries, args, view, planned = _two_query_case(sum(seq_lens) + sum(query_lens), seq_lens, query_lens)
     late_copy = cupy.RawKernel(LATE_COPY, "late_copy")
     sources = [cupy.asarray(query) for query in queries]
     rows = cupy.empty_like(sources[0])
