@@ -280,21 +280,27 @@ struct Prefill {
                             block_shift, window, stager);
       return;
     }
-    if constexpr (CHUNK > 1 && kStagers % kPieces == 0 && !kQuantized) {
-      // 16-bit rows: every token a stager copies takes the same piece
-      // (copy_fixed_piece; the loop below works the offsets out for every piece). Measured
-      // (H200, tools/prefill_variants.py, 4 x 8192, d = 128, fp16 rows): 253 ->
-      // 303 TFLOP/s. Quantized rows keep that loop: the same path, with their
-      // scale words copied by the stagers of piece 0, took int8 from 308 to 284
-      // and fp8 from 282 to 261.
+    // Every token a stager copies takes the same piece (copy_fixed_piece; the
+    // loop below works the offsets out for every piece): 16-bit rows, and
+    // quantized codes in the producer build, whose scale words keep their own
+    // loop below. H200, tools/prefill_variants.py, d = 128, TFLOP/s: fp16 rows
+    // 4 x 8192 253 -> 303; quantized codes (blockdiag, alternating, two rounds)
+    // 4 x 8192 int4 347.0 / 346.7 -> 350.3 / 351.0, int8 307.1 / 306.7 -> 334.6
+    // / 334.4, fp8 310.7 / 310.8 -> 334.3 / 334.1, 2048 over 30720 cached int8
+    // 330.4 -> 359.0, fp8 335.4 -> 365.6. The scale words copied by the stagers
+    // of piece 0 inside the same loop instead had cost int8 and fp8 8%. The
+    // short build (no producer) lost 3-6% with it: 64 x 128 int8 0.1615 ->
+    // 0.1695 ms, int4 0.1555 -> 0.1601; the loop stays there.
+    constexpr bool kFixedPiece = CHUNK > 1 && kStagers % kPieces == 0 && (!kQuantized || PRODUCER);
+    if constexpr (kFixedPiece) {
       constexpr int kTokenStep = kStagers / kPieces;
       const int piece = stager % kPieces, first = stager / kPieces;
       const int offset = piece * CHUNK;
       auto at = [&](u8* rows, int, int token) { return rows + token * kRawStride + offset; };
       copy_fixed_piece<kTokenStep>(p, keys, values, first, offset, at, head, base, lo, hi, block_shift, window);
-      return;
+      if constexpr (!kQuantized) return;
     }
-    constexpr int kWork = TILE * kPieces;
+    constexpr int kWork = kFixedPiece ? 0 : TILE * kPieces;
 #pragma unroll 1
     for (int c0 = 0; c0 < kWork; c0 += kStagers) {
       const int c = c0 + stager;

@@ -60,9 +60,23 @@ def test_long_prompts_take_the_producer_warpgroup(kv, head_pad, rotated, produce
 
 @pytest.mark.parametrize("kv", QUANTIZED)
 def test_shorter_prompts_keep_three_warpgroups_of_rows(kv, producer_on):
-    kernel = ca._prefill_kernel(kv, 128, 16, 90, ca.PREFILL_PRODUCER_MIN_KEYS - 1, True)
+    kernel = ca._prefill_kernel(kv, 128, 16, 90, ca.producer_min_keys(kv, 16, True) - 1, True)
     assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile, kernel.rotated) == (True, False, 192, True)
     assert "KVC_PRODUCER" not in kernel.defines and "KVC_ROTATED" not in kernel.defines
+
+
+@pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
+@pytest.mark.parametrize("chunk", (16, 8))
+@pytest.mark.parametrize("rotated", (True, False))
+def test_rotated_quantized_caches_take_the_producer_from_fewer_keys(kv, chunk, rotated, producer_on):
+    """Quantized caches with a rotation and 16-byte copies: the producer build from
+    PREFILL_PRODUCER_MIN_KEYS_ROTATED keys; the others from PREFILL_PRODUCER_MIN_KEYS."""
+    fewer = kv in QUANTIZED and rotated and chunk == 16
+    least = ca.PREFILL_PRODUCER_MIN_KEYS_ROTATED if fewer else ca.PREFILL_PRODUCER_MIN_KEYS
+    assert ca.producer_min_keys(kv, chunk, rotated) == least
+    assert ca.PREFILL_SHORT_KEYS < ca.PREFILL_PRODUCER_MIN_KEYS_ROTATED < ca.PREFILL_PRODUCER_MIN_KEYS
+    assert ca._prefill_kernel(kv, 128, chunk, 90, least, rotated).producer
+    assert not ca._prefill_kernel(kv, 128, chunk, 90, least - 1, rotated).producer
 
 
 @pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))

@@ -171,6 +171,18 @@ PREFILL_WGMMA_WARPS = 12
 # int8 304.7, fp8 309.0.
 PREFILL_PRODUCER = True
 PREFILL_PRODUCER_MIN_KEYS = 2048
+# Quantized caches with a rotation and 16-byte copies take the producer build from
+# fewer keys, since its staging takes each stager's piece once (prefill.cuh,
+# stage_tile). H200, tools/prefill_variants.py, alternating, two rounds, ms, the
+# build below 2048 keys -> the producer's: d = 128 blockdiag, 32 x 304 int4
+# 0.2960 -> 0.2985, int8 0.3271 -> 0.3152, fp8 0.3442 -> 0.3356; 16 x 512 int4
+# 0.2838 -> 0.2789, int8 0.3177 -> 0.2930, fp8 0.3287 -> 0.3046; 4 x 1536 int8
+# 0.4287 -> 0.3682, fp8 0.4373 -> 0.3709; 256 new over 768 cached (8 x 1024)
+# int4 0.1688 -> 0.1359, int8 0.1944 -> 0.1445, fp8 0.1964 -> 0.1427; d = 96
+# blockdiag 16 x 512 int4 / int8 / fp8 +3 / +1.4 / +1.7%, 32 x 304 -0.4 / -3 /
+# -3.5%. Without a rotation the build below keeps its lighter code (no rotation)
+# and int4 lost 30% at 16 x 512 (0.2389 -> 0.3108), so those keep 2048.
+PREFILL_PRODUCER_MIN_KEYS_ROTATED = 512
 # 16-bit (auto) caches take the wgmma builds too: their decoding pass copies fp16
 # rows into the core-matrix layout and converts bf16 rows to fp16 with a power of
 # two a row (prefill.cuh, decode_tile), so the products and the softmax are the
@@ -852,11 +864,11 @@ def _prefill_kernel(kv: int, head_pad: int, chunk: int, capability: int, longest
     """The prefill build for a batch whose longest sequence holds `longest` keys, over a
     cache with a rotation or not: wgmma on sm_90 (16-bit caches with
     PREFILL_WGMMA_AUTO), with the producer warpgroup (PREFILL_PRODUCER) from
-    PREFILL_PRODUCER_MIN_KEYS keys; mma.sync otherwise. Without the producer, the
+    producer_min_keys keys; mma.sync otherwise. Without the producer, the
     build for short prompts where it applies (PREFILL_UNROTATED, PREFILL_SHORT_*)."""
     takes_wgmma = kv in (KV_INT4, KV_INT8, KV_FP8) or PREFILL_WGMMA_AUTO
     wgmma = PREFILL_WGMMA and capability == 90 and takes_wgmma
-    producer = PREFILL_PRODUCER and longest >= PREFILL_PRODUCER_MIN_KEYS
+    producer = PREFILL_PRODUCER and longest >= producer_min_keys(kv, chunk, rotated)
     kernel = PrefillKernel.planned(kv, head_pad, chunk, wgmma, producer=producer)
     if not wgmma or kernel.producer:
         return kernel
@@ -869,13 +881,23 @@ def _prefill_kernel(kv: int, head_pad: int, chunk: int, capability: int, longest
     return kernel
 
 
+def producer_min_keys(kv: int, chunk: int, rotated: bool) -> int:
+    """Keys (the longest sequence's) from which the prefill takes the producer build:
+    PREFILL_PRODUCER_MIN_KEYS_ROTATED for quantized caches with a rotation and
+    16-byte copies, else PREFILL_PRODUCER_MIN_KEYS."""
+    if kv in (KV_INT4, KV_INT8, KV_FP8) and rotated and chunk >= 16:
+        return min(PREFILL_PRODUCER_MIN_KEYS, PREFILL_PRODUCER_MIN_KEYS_ROTATED)
+    return PREFILL_PRODUCER_MIN_KEYS
+
+
 def _short_prompt_builds(kv: int, head_pad: int, chunk: int) -> list:
     """The sm_90 builds without the producer that _prefill_kernel can take (rotated or
     not, up to PREFILL_SHORT_KEYS keys and beyond), each once."""
     builds = []
     for rotated in (True, False):
         for longest in (PREFILL_SHORT_KEYS, PREFILL_SHORT_KEYS + 1):
-            kernel = _prefill_kernel(kv, head_pad, chunk, 90, min(longest, PREFILL_PRODUCER_MIN_KEYS - 1), rotated)
+            below_producer = producer_min_keys(kv, chunk, rotated) - 1
+            kernel = _prefill_kernel(kv, head_pad, chunk, 90, min(longest, below_producer), rotated)
             if kernel not in builds:
                 builds.append(kernel)
     return builds
