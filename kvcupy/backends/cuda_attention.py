@@ -164,11 +164,13 @@ PREFILL_WGMMA_WARPS = 12
 # 294.8 vs 235.5 / 241.1. Short prompts (ms, producer vs 3 warpgroups): 64 x 128
 # 0.258 vs 0.238, 16 x 512 0.324 vs 0.315, 1 x 2048 0.185 vs 0.210, 4 x 2048
 # 0.634 vs 0.654, 1 x 4096 0.522 vs 0.625: the producer build from
-# PREFILL_PRODUCER_MIN_KEYS keys a sequence (between 512 and 2048: unmeasured).
+# PREFILL_PRODUCER_MIN_KEYS keys a sequence (512 to 2048: measured later, below).
 # Since then (the query in registers, raw rows read without bank conflicts;
 # README, Prefill): 4 x 8192 int4 335.8, int8 287.1, fp8 278.6; then (int8 bytes
 # permuted under 0x64, fp8 by cvt.rn.f16x2.e4m3x2) int8 307.8 and, on the bench,
-# int8 304.7, fp8 309.0.
+# int8 304.7, fp8 309.0; then (quantized codes a fixed piece a stager: prefill.cuh,
+# stage_tile) int8 307.1 -> 334.6, fp8 310.7 -> 334.3 and, on the bench, int8
+# 326.9, fp8 339.6.
 PREFILL_PRODUCER = True
 PREFILL_PRODUCER_MIN_KEYS = 2048
 # Quantized caches with a rotation and 16-byte copies take the producer build from
