@@ -298,21 +298,21 @@ struct Prefill {
       const int offset = piece * CHUNK;
       auto at = [&](u8* rows, int, int token) { return rows + token * kRawStride + offset; };
       copy_fixed_piece<kTokenStep>(p, keys, values, first, offset, at, head, base, lo, hi, block_shift, window);
-      if constexpr (!kQuantized) return;
-    }
-    constexpr int kWork = kFixedPiece ? 0 : TILE * kPieces;
+    } else {
+      constexpr int kWork = TILE * kPieces;
 #pragma unroll 1
-    for (int c0 = 0; c0 < kWork; c0 += kStagers) {
-      const int c = c0 + stager;
-      const int token = c / kPieces, piece = c - token * kPieces;
-      const int position = base + token;
-      const int block = Pages::block_of(window, position >> block_shift);   // every lane shuffles
-      if (c >= kWork) continue;
-      const bool valid = block >= 0 && position >= lo && position < hi;
-      const long long slot = position & (p.block_size - 1);
-      const int offset = piece * kPieceBytes;
-      stage_row_piece<CHUNK>(p, keys + token * kRawStride + offset, values + token * kRawStride + offset, block, slot,
-                             head, offset, valid);
+      for (int c0 = 0; c0 < kWork; c0 += kStagers) {
+        const int c = c0 + stager;
+        const int token = c / kPieces, piece = c - token * kPieces;
+        const int position = base + token;
+        const int block = Pages::block_of(window, position >> block_shift);   // every lane shuffles
+        if (c >= kWork) continue;
+        const bool valid = block >= 0 && position >= lo && position < hi;
+        const long long slot = position & (p.block_size - 1);
+        const int offset = piece * kPieceBytes;
+        stage_row_piece<CHUNK>(p, keys + token * kRawStride + offset, values + token * kRawStride + offset, block,
+                               slot, head, offset, valid);
+      }
     }
     if constexpr (kQuantized) {
       u8* key_scales = values + kRawTensorBytes;

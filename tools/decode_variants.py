@@ -54,14 +54,18 @@ DEFAULT_SHAPE = dict(batch=32, context=32768, head_size=128, kv_heads=8, query_h
                      rotation="none")
 
 
+# Variant keys that set one of cuda_attention's planner constants.
+CONSTANT_KEYS = {"stages": "STAGES", "dependent_merge": "DEPENDENT_MERGE",
+                 "dependent_attention": "DEPENDENT_ATTENTION", "long_split_tokens": "LONG_SPLIT_TOKENS"}
+
+
 @contextlib.contextmanager
 def overrides(variant: dict):
     """The planner's choices and the kernel's defines forced as the variant says, restored after."""
-    saved = (cuda_attention.Kernel.defines, cuda_attention._choose_kernel, cuda_attention.choose_splits,
-             cuda_attention.STAGES, os.environ.get(jit.SOURCE_DIR_ENV), cuda_attention.DEPENDENT_MERGE,
-             cuda_attention.DEPENDENT_ATTENTION)
+    saved = (cuda_attention.Kernel.defines, cuda_attention._choose_kernel, cuda_attention.choose_splits)
+    saved_constants = {name: getattr(cuda_attention, name) for name in CONSTANT_KEYS.values()}
+    saved_source = os.environ.get(jit.SOURCE_DIR_ENV)
     plain_defines, plain_choose, plain_splits = saved[0].fget, saved[1], saved[2]
-    stages = variant.get("stages", cuda_attention.STAGES)
 
     def defines(kernel):
         return {**plain_defines(kernel), **variant.get("defines", {})}
@@ -77,11 +81,9 @@ def overrides(variant: dict):
     cuda_attention.Kernel.defines = property(defines)
     cuda_attention._choose_kernel = choose
     cuda_attention.choose_splits = splits
-    cuda_attention.STAGES = stages
-    cuda_attention.DEPENDENT_MERGE = variant.get("dependent_merge", saved[5])
-    cuda_attention.DEPENDENT_ATTENTION = variant.get("dependent_attention", saved[6])
-    long_split_tokens = cuda_attention.LONG_SPLIT_TOKENS
-    cuda_attention.LONG_SPLIT_TOKENS = variant.get("long_split_tokens", long_split_tokens)
+    for key, name in CONSTANT_KEYS.items():
+        if key in variant:
+            setattr(cuda_attention, name, variant[key])
     if variant.get("src"):
         os.environ[jit.SOURCE_DIR_ENV] = os.path.abspath(variant["src"])
     else:
@@ -89,15 +91,13 @@ def overrides(variant: dict):
     try:
         yield
     finally:
-        (cuda_attention.Kernel.defines, cuda_attention._choose_kernel, cuda_attention.choose_splits,
-         cuda_attention.STAGES) = saved[:4]
-        cuda_attention.LONG_SPLIT_TOKENS = long_split_tokens
-        cuda_attention.DEPENDENT_MERGE = saved[5]
-        cuda_attention.DEPENDENT_ATTENTION = saved[6]
-        if saved[4] is None:
+        cuda_attention.Kernel.defines, cuda_attention._choose_kernel, cuda_attention.choose_splits = saved
+        for name, value in saved_constants.items():
+            setattr(cuda_attention, name, value)
+        if saved_source is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
         else:
-            os.environ[jit.SOURCE_DIR_ENV] = saved[4]
+            os.environ[jit.SOURCE_DIR_ENV] = saved_source
 
 
 def decode_case(kv_dtype: str, shape: dict, rng) -> dict:
