@@ -47,6 +47,21 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* share
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(shared_row)));
 }
 
+// mma<BF16> with the operands' type chosen at run time: both instructions,
+// predicated, one of them issued for nothing (no branch a product). The query's
+// rotation products take it for fp16 and bf16 queries alike, where a copy of
+// those products for each type had cost NVRTC about a seventh of a build's time
+// (int4 producer build, d = 128, 16-bit rows, NVRTC 13.5 on 2 cores: 7.4 -> 6.4 s).
+__device__ __forceinline__ void mma_either(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, bool bf16) {
+  asm volatile("{\n .reg .pred is_bf16;\n setp.ne.u32 is_bf16, %10, 0;\n"
+               " @is_bf16 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+               "{%8,%9}, {%0,%1,%2,%3};\n"
+               " @!is_bf16 mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+               "{%8,%9}, {%0,%1,%2,%3};\n}\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(u32(bf16)));
+}
+
 // a * b + c on fp16 pairs, one rounding (exact wherever the result is representable).
 __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
   u32 r;
@@ -85,6 +100,9 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 #endif
 #ifndef KVC_ROTATED
 #define KVC_ROTATED 1   // 0: no rotation's code at all (Prefill::kRotated; the launcher's PrefillKernel.rotated)
+#endif
+#ifndef KVC_WIDE_ROWS
+#define KVC_WIDE_ROWS 1   // 0: 16-bit query and output rows only (Prefill::kWideRows; PrefillKernel.wide_rows)
 #endif
 #ifndef KVC_MIN_BLOCKS
 #define KVC_MIN_BLOCKS 1   // the launch bounds' blocks a multiprocessor (attention.cu)
@@ -138,6 +156,17 @@ struct Prefill {
   // producer (int8 at d = 128: 676 bytes spilled at 12 warps with them, none
   // without; 8 warps at two blocks a multiprocessor, 2792 against 100).
   static constexpr bool kRotated = KVC_ROTATED != 0;
+  // Builds for 16-bit query and output rows (KVC_WIDE_ROWS 0, the launcher's
+  // choice where neither is float32) leave out the float32 rows' code: the
+  // query's two-term rotation (a copy of its products of its own) and the
+  // output's (a second copy of the inverse products). NVRTC's time goes with
+  // the code: int4, d = 128, the lent H200's NVRTC 13.0, first compiles with /
+  // without it (tools/jit_timing.py, with mma_either in both): producer build
+  // 4.97 / 3.26 s, wgmma 4.66 / 2.86, mma.sync 5.11 / 3.22, short 4.48 / 2.86
+  // (the 5 s target; another machine of the same kind, before mma_either,
+  // took 7.6 / 6.2 s for the producer build). The host never hands such a
+  // build a float32 query or output.
+  static constexpr bool kWideRows = KVC_WIDE_ROWS != 0;
   // The output's inverse rotation emits each group of four n tiles as soon as it
   // is done (rotate_rows without ACROSS_GROUPS) where the launch bounds leave 128
   // registers a thread or fewer: the short-prompt build (8 warps, two blocks a
@@ -754,7 +783,7 @@ struct Prefill {
                                                              const bool (&row_valid)[2], float factor,
                                                              float (&raw)[ND][4]) {
     const int t = threadIdx.x & 3;
-    if (p.query_dtype == kDtypeF32) {
+    if (kWideRows && p.query_dtype == kDtypeF32) {
       float v[ND][4];
 #pragma unroll
       for (int n = 0; n < ND; ++n)
@@ -900,7 +929,7 @@ struct Prefill {
                                                           emit);
   }
 
-  // y = A M for this warp's 16 rows: A their fp16 (BF16: bf16) A fragments
+  // y = A M for this warp's 16 rows: A their fp16 (or bf16: EITHER_TYPE) A fragments
   // `high` (register 2h + r of k step ks: row g + 8r, dims 16 ks + 8h + 2t, +1),
   // plus `low` where MAY_LOW and with_low; M's fragments (fp16 or bf16 like A)
   // at `fragments`; each row times scale[r] where SCALED; then (ACROSS_GROUPS)
@@ -908,13 +937,19 @@ struct Prefill {
   // the Sylvester factor); emit(n, y[4]) takes n tile n's C fragment. Without
   // ACROSS_GROUPS (the inverse, whose butterflies come first) each group of
   // four n tiles is emitted as soon as it is done, so that y is never held
-  // whole (the epilogue's registers).
-  template <bool BF16, bool MAY_LOW, bool ACROSS_GROUPS, bool SCALED, class Emit>
+  // whole (the epilogue's registers). EITHER_TYPE: the operands are bf16 where
+  // `bf16`, else fp16, chosen at run time (mma_either); otherwise fp16.
+  template <bool EITHER_TYPE, bool MAY_LOW, bool ACROSS_GROUPS, bool SCALED, class Emit>
   static __device__ __forceinline__ void rotation_products(const u32 (&high)[KC][4], const u32 (&low)[KC][4],
                                                            bool with_low, const u8* fragments, int shift,
-                                                           int stages, const float (&scale)[2], Emit emit) {
+                                                           int stages, const float (&scale)[2], Emit emit,
+                                                           bool bf16 = false) {
     const int lane = threadIdx.x & 31;
     const uint2* b = reinterpret_cast<const uint2*>(fragments) + lane;
+    auto product = [&](float (&c)[4], const u32 (&a)[4], uint2 fragment) {
+      if constexpr (EITHER_TYPE) mma_either(c, a, fragment.x, fragment.y, bf16);
+      else mma<false>(c, a, fragment.x, fragment.y);
+    };
     float y[ND][4];
     // Four n tiles at a time: four independent accumulator chains keep the
     // tensor pipe busy where one chain would wait out every product's latency.
@@ -927,8 +962,8 @@ struct Prefill {
         for (int j = 0; j < 4; ++j) {
           const int ks = (n0 + j) >> 1;
           const uint2 fragment = b[(ks * ND + n0 + j) * 32];
-          mma<BF16>(acc[j], high[ks], fragment.x, fragment.y);
-          if (MAY_LOW && with_low) mma<BF16>(acc[j], low[ks], fragment.x, fragment.y);
+          product(acc[j], high[ks], fragment);
+          if (MAY_LOW && with_low) product(acc[j], low[ks], fragment);
         }
       } else {
 #pragma unroll
@@ -937,8 +972,8 @@ struct Prefill {
           for (int j = 0; j < 4; ++j) {
             if (!fragment_used(shift, ks, n0 + j)) continue;
             const uint2 fragment = b[(ks * ND + n0 + j) * 32];
-            mma<BF16>(acc[j], high[ks], fragment.x, fragment.y);
-            if (MAY_LOW && with_low) mma<BF16>(acc[j], low[ks], fragment.x, fragment.y);
+            product(acc[j], high[ks], fragment);
+            if (MAY_LOW && with_low) product(acc[j], low[ks], fragment);
           }
         }
       }
@@ -1016,7 +1051,7 @@ struct Prefill {
       for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = y[i];
     };
     const int shift = rotation_shift(p), stages = p.rotation_stages;
-    if (p.query_dtype == kDtypeF32) {
+    if (kWideRows && p.query_dtype == kDtypeF32) {
       float raw[ND][4];
       load_query_elements<false>(p, rows, row_valid, 1.f, raw);
       const float factor[2] = {p.query_factor, p.query_factor};
@@ -1045,10 +1080,8 @@ struct Prefill {
           for (int j = 0; j < 4; ++j) pairs[ks][j] = bits[2 * ks + (j >> 1)][j & 1];
       }
       const float unscaled[2] = {1.f, 1.f};
-      if (p.query_dtype == kDtypeBf16)
-        rotation_products<true, false, true, false>(pairs, pairs, false, fragments, shift, stages, unscaled, emit);
-      else
-        rotation_products<false, false, true, false>(pairs, pairs, false, fragments, shift, stages, unscaled, emit);
+      rotation_products<true, false, true, false>(pairs, pairs, false, fragments, shift, stages, unscaled, emit,
+                                                  p.query_dtype == kDtypeBf16);
       pending = p.query_factor;
     }
     // Every warp done with the staged fragments: the query rows go there next.
@@ -1264,7 +1297,7 @@ struct Prefill {
       // value before the rotation mixes them, as much as an fp16 output's own
       // rounding and an eighth of a bf16 one's (tests/test_gpu_attention.py:
       // the bound); fp32 outputs keep two.
-      if (p.out_dtype == kDtypeF32)
+      if (kWideRows && p.out_dtype == kDtypeF32)
         rotate_rows<true, !kInverseByGroups>(out, fragments, rotation_shift(p), 0, true, row_factor, store_tile);
       else
         rotate_rows<false, !kInverseByGroups>(out, fragments, rotation_shift(p), 0, false, row_factor, store_tile);
@@ -1282,13 +1315,14 @@ struct Prefill {
   }
 
   static __device__ __forceinline__ void store_output(int dtype, u8* row, int channel, float v) {
-    if (dtype == kDtypeF32) reinterpret_cast<float*>(row)[channel] = v;
+    if (kWideRows && dtype == kDtypeF32) reinterpret_cast<float*>(row)[channel] = v;
     else if (dtype == kDtypeF16) reinterpret_cast<kvc::half*>(row)[channel] = kvc::from_float<kvc::half>(v);
     else reinterpret_cast<kvc::bfloat16*>(row)[channel] = kvc::from_float<kvc::bfloat16>(v);
   }
 
   static __device__ __forceinline__ void store_output_pair(int dtype, u8* row, int channel, float v0, float v1) {
-    if (dtype == kDtypeF32) *reinterpret_cast<float2*>(reinterpret_cast<float*>(row) + channel) = make_float2(v0, v1);
+    if (kWideRows && dtype == kDtypeF32)
+      *reinterpret_cast<float2*>(reinterpret_cast<float*>(row) + channel) = make_float2(v0, v1);
     else if (dtype == kDtypeF16) *reinterpret_cast<u32*>(reinterpret_cast<u16*>(row) + channel) = pack_half2(v0, v1);
     else *reinterpret_cast<u32*>(reinterpret_cast<u16*>(row) + channel) = pack_bf162(v0, v1);
   }

@@ -306,8 +306,8 @@ def test_prefill_bf16_rows_beyond_fp16_range(build, monkeypatch):
 
 @pytest.mark.parametrize("options", [dict(), dict(sliding_window=700), dict(softcap=5.0), dict(sinks=True)],
                          ids=["plain", "window", "softcap", "sinks"])
-@pytest.mark.parametrize("kv_dtype,head_size", [("int4_per_token_head", 128), ("int8_per_token_head", 96),
-                                                ("fp8_per_token_head", 64)])
+@pytest.mark.parametrize("kv_dtype,head_size", [("int4_per_token_head", 128), ("int4_per_token_head", 96),
+                                                ("int8_per_token_head", 96), ("fp8_per_token_head", 64)])
 def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, monkeypatch):
     """The wgmma build with its producer warpgroup (PREFILL_PRODUCER, taken from
     PREFILL_PRODUCER_MIN_KEYS keys): a chunk of 256 tokens over 5744 cached and a

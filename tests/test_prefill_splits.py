@@ -79,6 +79,30 @@ def test_rotated_quantized_caches_take_the_producer_from_fewer_keys(kv, chunk, r
     assert not ca._prefill_kernel(kv, 128, chunk, 90, least - 1, rotated).producer
 
 
+F32, F16, BF16 = np.dtype(np.float32), np.dtype(np.float16), ca.formats.MODEL_DTYPES["bfloat16"]
+
+
+@pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
+@pytest.mark.parametrize("keys", (ca.PREFILL_SHORT_KEYS, ca.PREFILL_PRODUCER_MIN_KEYS))
+@pytest.mark.parametrize("query_dtype,out_dtype", [(F16, F16), (BF16, BF16), (F16, BF16), (F32, BF16),
+                                                   (BF16, F32), (F32, F32)])
+def test_16_bit_rows_take_a_rotated_build_without_the_float32_rows_code(kv, keys, query_dtype, out_dtype,
+                                                                        producer_on):
+    """A rotated build serves a call whose query and output are both 16-bit without
+    the float32 rows' two-term rotations (wide_rows False, KVC_WIDE_ROWS 0); a
+    float32 query or output takes the build with them, and builds without the
+    rotation's code have no such code to leave out."""
+    narrow = query_dtype != F32 and out_dtype != F32
+    for rotated in (True, False):
+        planned = ca._prefill_kernel(kv, 128, 16, 90, keys, rotated)
+        kernel = planned.for_query(query_dtype, None, out_dtype)
+        # (the producer build keeps the rotation's code for either cache)
+        assert kernel.wide_rows == (not (narrow and planned.rotated))
+        assert ("KVC_WIDE_ROWS" in kernel.defines) == (narrow and planned.rotated)
+        # and in all else the build a float32 output would take
+        assert replace(kernel, wide_rows=True) == planned.for_query(query_dtype, None, F32)
+
+
 @pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
 @pytest.mark.parametrize("head_pad", (32, 64, 96, 128))
 def test_caches_without_a_rotation_take_a_build_without_its_code(kv, head_pad, producer_on):

@@ -8,8 +8,10 @@ before its clock starts (the targets are "after imports"), then gets each of
 the kernels below and reads one of its attributes, which loads the module:
 the int4 decode kernel the planner takes for d = 128 and 8 KV heads (row
 staging), and the int4 prefill kernel at d = 128 in its sm_90 (wgmma, sm_90a,
-with and without the producer warpgroup) and mma.sync builds, the largest the
-planner launches for that shape. The
+with and without the producer warpgroup, and the short prompts' build) and
+mma.sync builds, the largest the planner launches for that shape, each with
+the float32 rows' code (a float32 query or output) and without it (16-bit
+rows: PrefillKernel.wide_rows). The
 first process compiles them; the others find them on disk. Prints one JSON
 object: seconds per process and kernel (wall time, and NVRTC's own).
 """
@@ -25,15 +27,20 @@ import time
 
 
 def _kernels() -> dict:
-    from kvcupy.backends.cuda_attention import KV_INT4, STAGE_ROWS, Kernel, PrefillKernel
+    from dataclasses import replace
 
-    prefill_producer = PrefillKernel.planned(KV_INT4, 128, 16, True, producer=True)
-    prefill_wgmma = PrefillKernel.planned(KV_INT4, 128, 16, True)
-    prefill_mma = PrefillKernel.planned(KV_INT4, 128, 16, False)
+    from kvcupy.backends.cuda_attention import KV_INT4, PREFILL_SHORT_KEYS, STAGE_ROWS, Kernel, PrefillKernel, \
+        _prefill_kernel
+
+    builds = {"prefill_producer": PrefillKernel.planned(KV_INT4, 128, 16, True, producer=True),
+              "prefill_wgmma": PrefillKernel.planned(KV_INT4, 128, 16, True),
+              "prefill_mma_sync": PrefillKernel.planned(KV_INT4, 128, 16, False),
+              "prefill_short": _prefill_kernel(KV_INT4, 128, 16, 90, PREFILL_SHORT_KEYS, True)}
+    # Each as a call with a float32 query or output takes it, and (wide_rows False)
+    # as one whose query and output are 16-bit.
+    builds.update({f"{name}_16bit_rows": replace(kernel, wide_rows=False) for name, kernel in list(builds.items())})
     return {"decode": ("paged_attention", Kernel(KV_INT4, 128, 8, 1, 32, 16, STAGE_ROWS).defines, None),
-            "prefill_producer": ("prefill_attention", prefill_producer.defines, prefill_producer.arch),
-            "prefill_wgmma": ("prefill_attention", prefill_wgmma.defines, prefill_wgmma.arch),
-            "prefill_mma_sync": ("prefill_attention", prefill_mma.defines, prefill_mma.arch)}
+            **{name: ("prefill_attention", kernel.defines, kernel.arch) for name, kernel in builds.items()}}
 
 
 def _one_process() -> dict:

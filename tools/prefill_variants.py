@@ -23,6 +23,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
                 (cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
   "unrotated":  false: caches without a rotation keep the build with its code
                 (cuda_attention.PREFILL_UNROTATED)
+  "narrow_rows": false: 16-bit queries and outputs keep the rotated build with the
+                float32 rows' code (cuda_attention.PREFILL_NARROW_ROWS)
   "short_keys", "short_rotated": the short-prompt build's longest sequence and whether
                 rotated caches take it (cuda_attention.PREFILL_SHORT_KEYS, PREFILL_SHORT_ROTATED)
   "short_warps", "short_tile", "short_blocks": the short-prompt build's warps, tile and
@@ -115,6 +117,7 @@ CONSTANT_KEYS = {"split_gain": "PREFILL_SPLIT_GAIN", "min_rows": "PREFILL_MIN_RO
                  "direct": "PREFILL_DIRECT", "direct_stages": "PREFILL_DIRECT_STAGES",
                  "direct_f16": "PREFILL_DIRECT_F16", "swizzle": "PREFILL_SWIZZLE",
                  "producer_min_keys": "PREFILL_PRODUCER_MIN_KEYS", "unrotated": "PREFILL_UNROTATED",
+                 "narrow_rows": "PREFILL_NARROW_ROWS",
                  "short_keys": "PREFILL_SHORT_KEYS", "short_rotated": "PREFILL_SHORT_ROTATED",
                  "short_warps": "PREFILL_SHORT_WARPS", "short_tile": "PREFILL_SHORT_TILE",
                  "short_blocks": "PREFILL_SHORT_BLOCKS", "dependent_attention": "DEPENDENT_ATTENTION"}

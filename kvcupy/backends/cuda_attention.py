@@ -244,6 +244,20 @@ PREFILL_SWIZZLE = True
 #   int4, blockdiag: 64 x 128 0.2225 / 0.2229 -> 0.2059 / 0.2061; 32 x 256
 #     0.2543 / 0.2549 -> 0.2453 / 0.2454
 PREFILL_UNROTATED = True
+# Rotated prefill builds for calls whose query and output rows are 16-bit leave
+# the float32 rows' two-term rotations out (PrefillKernel.wide_rows, prefill.cuh's
+# KVC_WIDE_ROWS); float32 calls take the build with them. The JIT target (a
+# first compile within 5 s) had slipped: 7.4 s for the int4 short build and
+# 5.5-5.7 s for the producer builds in one bench on the lent H200 (NVRTC 13.0),
+# 7.6-8.6 s for the d = 128 prefill builds on another such machine. Without that
+# code, and with mma_either, 2.9-3.3 s (prefill.cuh, kWideRows). The cost, int4
+# / int8 / fp8 blockdiag (tools/prefill_variants.py, ec0b4b6's kernels against
+# these, two rounds, ms or TFLOP/s): 64 x 128 0.1558 / 0.1544 -> 0.1556 / 0.1548,
+# 0.1614 / 0.1615 -> 0.1641 / 0.1622, 0.1880 / 0.1882 -> 0.1813 / 0.1814; 4 x
+# 8192 348.0 / 350.7 -> 345.5 / 348.1, 330.5 / 334.0 -> 333.7 / 334.0, 332.6 /
+# 333.4 -> 329.7 / 331.0; 2048 over 30720 384.0 / 384.4 -> 382.3 / 382.4, 364.4
+# / 362.5 -> 364.5 / 364.8, 366.9 / 366.8 -> 363.7 / 363.1.
+PREFILL_NARROW_ROWS = True
 PREFILL_SHORT_KEYS = 256
 PREFILL_SHORT_WARPS = 8
 PREFILL_SHORT_TILE = 32
@@ -337,6 +351,7 @@ class PrefillKernel:
     producer: bool = False   # with wgmma: the last warpgroup stages and decodes, the others compute
     direct: bool = False   # with the producer, 16-bit rows: copied into the products' layout, not decoded
     rotated: bool = True   # False: a build for caches without a rotation (its code left out)
+    wide_rows: bool = True   # False (rotated builds): 16-bit query and output rows only (for_query)
     min_blocks: int | None = None   # __launch_bounds__ blocks a multiprocessor wanted (None: PREFILL_MIN_BLOCKS)
 
     entry = "prefill_attention"
@@ -349,18 +364,24 @@ class PrefillKernel:
         producer = wgmma and producer
         return cls(kv, head_pad, PREFILL_TILE, chunk, PREFILL_WGMMA_WARPS if wgmma else PREFILL_WARPS, wgmma, producer)
 
-    def for_query(self, query_dtype, rotation) -> "PrefillKernel":
+    def for_query(self, query_dtype, rotation, out_dtype) -> "PrefillKernel":
         """The build a call takes: the direct one (PREFILL_DIRECT) for bf16 rows in the
         producer build under a bf16 query without rotation (bf16 operands hold
         such a query exactly, as fp16 ones hold an fp16 query), and for fp16 rows
-        with PREFILL_DIRECT_F16."""
+        with PREFILL_DIRECT_F16; a rotated build without the float32 rows' code
+        (wide_rows False, PREFILL_NARROW_ROWS) where neither the query nor the
+        output is float32."""
+        kernel = self
+        if (PREFILL_NARROW_ROWS and self.rotated and np.dtype(query_dtype) != np.float32
+                and np.dtype(out_dtype) != np.float32):
+            kernel = replace(kernel, wide_rows=False)
         rows = (KV_F16, KV_BF16) if PREFILL_DIRECT_F16 else (KV_BF16,)
         if not (PREFILL_DIRECT and self.producer and self.kv in rows and self.chunk >= 4):
-            return self
+            return kernel
         if self.kv == KV_BF16 and (np.dtype(query_dtype) != formats.MODEL_DTYPES["bfloat16"]
                                    or (rotation is not None and not rotation.is_identity)):
-            return self
-        return replace(self, direct=True)
+            return kernel
+        return replace(kernel, direct=True)
 
     @functools.cached_property
     def quantized(self) -> bool:
@@ -416,6 +437,8 @@ class PrefillKernel:
             defines["KVC_SWIZZLE"] = 1
         if not self.rotated:
             defines["KVC_ROTATED"] = 0
+        if not self.wide_rows:
+            defines["KVC_WIDE_ROWS"] = 0
         return {**defines, "KVC_WGMMA": 1} if self.wgmma else defines
 
     @functools.cached_property
@@ -793,12 +816,12 @@ class Plan:
             handle = self.handles[out_dtype] = cuda_launch.function_handle(self.merge_function(out_dtype))
         return handle
 
-    def for_query(self, query_dtype, rotation):
-        """The plan's kernel's for_query build for this query dtype and rotation."""
-        key = (query_dtype, rotation)
+    def for_query(self, query_dtype, rotation, out_dtype):
+        """The plan's kernel's for_query build for this query dtype, rotation and output dtype."""
+        key = (query_dtype, rotation, out_dtype)
         kernel = self.builds.get(key)
         if kernel is None:
-            kernel = self.builds[key] = self.kernel.for_query(query_dtype, rotation)
+            kernel = self.builds[key] = self.kernel.for_query(query_dtype, rotation, out_dtype)
         return kernel
 
 
@@ -1072,7 +1095,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
     kernel = plan.kernel
     prefill = isinstance(kernel, PrefillKernel)
     if prefill:
-        kernel = plan.for_query(query.dtype, rotation)
+        kernel = plan.for_query(query.dtype, rotation, out.dtype)
     in_kernel = _in_kernel_rotation(rotation)
     with cupy.cuda.Device(device.index):
         sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
@@ -1203,6 +1226,16 @@ def specialisations(all: bool) -> list:
         # The direct builds: a stager's own piece (d = 128, 16-byte pieces; d = 64, 8-byte), the general loop (d = 96).
         kernels += [replace(PrefillKernel.planned(kv, head_pad, chunk, True, producer=True), direct=True)
                     for kv, head_pad, chunk in ((KV_BF16, 128, 16), (KV_F16, 96, 16), (KV_F16, 64, 8))]
+        # Builds for 16-bit rows only: mma.sync, wgmma, producer and short.
+        kernels += [replace(kernel, wide_rows=False)
+                    for kernel in (PrefillKernel.planned(KV_INT4, 128, 16, False),
+                                   PrefillKernel.planned(KV_FP8, 96, 4, True),
+                                   PrefillKernel.planned(KV_INT4, 128, 16, True, producer=True),
+                                   *_short_prompt_builds(KV_INT4, 128, 16))
+                    if kernel.rotated]
+    if all:   # every rotated prefill build's twin for 16-bit rows only (for_query)
+        kernels += [replace(kernel, wide_rows=False) for kernel in kernels
+                    if isinstance(kernel, PrefillKernel) and kernel.rotated]
     found += [Specialisation("attention", (kernel.entry,), kernel.defines, kernel.arch)
               for kernel in kernels]
     # The wgmma operand-layout probes of tests/test_gpu_wgmma.py.
