@@ -158,14 +158,13 @@ struct Prefill {
   static constexpr bool kRotated = KVC_ROTATED != 0;
   // Builds for 16-bit query and output rows (KVC_WIDE_ROWS 0, the launcher's
   // choice where neither is float32) leave out the float32 rows' code: the
-  // query's two-term rotation (a copy of its products of its own) and the
-  // output's (a second copy of the inverse products). NVRTC's time goes with
-  // the code: int4, d = 128, the lent H200's NVRTC 13.0, first compiles with /
-  // without it (tools/jit_timing.py, with mma_either in both): producer build
-  // 4.97 / 3.26 s, wgmma 4.66 / 2.86, mma.sync 5.11 / 3.22, short 4.48 / 2.86
-  // (the 5 s target; another machine of the same kind, before mma_either,
-  // took 7.6 / 6.2 s for the producer build). The host never hands such a
-  // build a float32 query or output.
+  // query's two-term rotation and the output's. The float32 calls' build keeps
+  // one copy of each rotation's products (load_query, write_output). NVRTC's
+  // time goes with the code: the int4 d = 128 prefill builds took 7.3-8.6 s
+  // to compile on one lent H200 (NVRTC 13.0) before, 2.9-3.3 s without that
+  // code on another and 4.0-5.9 s on a third (docs/gpu-notes.md, Prefill);
+  // the JIT target is 5 s. The host never hands such a build a float32 query
+  // or output.
   static constexpr bool kWideRows = KVC_WIDE_ROWS != 0;
   // The output's inverse rotation emits each group of four n tiles as soon as it
   // is done (rotate_rows without ACROSS_GROUPS) where the launch bounds leave 128
@@ -1051,7 +1050,12 @@ struct Prefill {
       for (int i = 0; i < 4; ++i) values[n >> 1][n & 1][i >> 1][i & 1] = y[i];
     };
     const int shift = rotation_shift(p), stages = p.rotation_stages;
-    if (kWideRows && p.query_dtype == kDtypeF32) {
+    if constexpr (kWideRows) {
+      // The build float32 calls take (kvcupy.paged_attention's output has the
+      // query's dtype, so a float32 query here): every query through the
+      // two-term products, one copy of them. A 16-bit query would keep each
+      // value whole in the two fp16 terms unless it lay some 2^28 below its
+      // row's largest (fp16_range_scale).
       float raw[ND][4];
       load_query_elements<false>(p, rows, row_valid, 1.f, raw);
       const float factor[2] = {p.query_factor, p.query_factor};
@@ -1089,9 +1093,10 @@ struct Prefill {
   }
 
   // The forward rotation's fragments for this call's query: the host's fp16
-  // ones, then its bf16 ones (a bf16 query's products take bf16 operands).
+  // ones, then its bf16 ones (a bf16 query's products take bf16 operands, but
+  // in the float32 calls' build, whose two terms are fp16).
   static __device__ __forceinline__ const uint2* forward_fragments(const Params& p) {
-    return p.rotation_fwd + (p.query_dtype == kDtypeBf16 ? kFragmentBytes / 8 : 0);
+    return p.rotation_fwd + (!kWideRows && p.query_dtype == kDtypeBf16 ? kFragmentBytes / 8 : 0);
   }
 
   // Quantized caches' builds without a rotation or producer (kDirectQuery), bulk
@@ -1297,8 +1302,11 @@ struct Prefill {
       // value before the rotation mixes them, as much as an fp16 output's own
       // rounding and an eighth of a bf16 one's (tests/test_gpu_attention.py:
       // the bound); fp32 outputs keep two.
-      if (kWideRows && p.out_dtype == kDtypeF32)
-        rotate_rows<true, !kInverseByGroups>(out, fragments, rotation_shift(p), 0, true, row_factor, store_tile);
+      // The float32 calls' build keeps one copy of the products, the low
+      // terms' for a float32 output (a 16-bit one would take the high alone).
+      if constexpr (kWideRows)
+        rotate_rows<true, !kInverseByGroups>(out, fragments, rotation_shift(p), 0, p.out_dtype == kDtypeF32,
+                                             row_factor, store_tile);
       else
         rotate_rows<false, !kInverseByGroups>(out, fragments, rotation_shift(p), 0, false, row_factor, store_tile);
     }

@@ -246,11 +246,13 @@ PREFILL_SWIZZLE = True
 PREFILL_UNROTATED = True
 # Rotated prefill builds for calls whose query and output rows are 16-bit leave
 # the float32 rows' two-term rotations out (PrefillKernel.wide_rows, prefill.cuh's
-# KVC_WIDE_ROWS); float32 calls take the build with them. The JIT target (a
-# first compile within 5 s) had slipped: 7.4 s for the int4 short build and
-# 5.5-5.7 s for the producer builds in one bench on the lent H200 (NVRTC 13.0),
-# 7.6-8.6 s for the d = 128 prefill builds on another such machine. Without that
-# code, and with mma_either, 2.9-3.3 s (prefill.cuh, kWideRows). The cost, int4
+# KVC_WIDE_ROWS); float32 calls take the build with them (kvcupy.paged_attention
+# writes an output of the query's dtype, so a call is one or the other). The JIT
+# target (a first compile within 5 s) had slipped: 7.4 s for the int4 short
+# build and 5.5-5.7 s for the producer builds in one bench on the lent H200
+# (NVRTC 13.0), 7.3-8.6 s for the d = 128 prefill builds on another such
+# machine. Without that code, and with mma_either, 2.9-3.3 s on a third, 4.0-5.9
+# s on a fourth (prefill.cuh, kWideRows; docs/gpu-notes.md). The cost, int4
 # / int8 / fp8 blockdiag (tools/prefill_variants.py, ec0b4b6's kernels against
 # these, two rounds, ms or TFLOP/s): 64 x 128 0.1558 / 0.1544 -> 0.1556 / 0.1548,
 # 0.1614 / 0.1615 -> 0.1641 / 0.1622, 0.1880 / 0.1882 -> 0.1813 / 0.1814; 4 x
