@@ -1225,8 +1225,10 @@ def specialisations(all: bool) -> list:
                    PrefillKernel.planned(KV_F16, 64, 8, True), PrefillKernel.planned(KV_BF16, 96, 16, True),
                    *_short_prompt_builds(KV_INT4, 128, 16), *_short_prompt_builds(KV_FP8, 96, 4),
                    *_short_prompt_builds(KV_BF16, 128, 16)]
-        # The direct builds: a stager's own piece (d = 128, 16-byte pieces; d = 64, 8-byte), the general loop (d = 96).
-        kernels += [replace(PrefillKernel.planned(kv, head_pad, chunk, True, producer=True), direct=True)
+        # The direct builds: a stager's own piece (d = 128, 16-byte pieces; d = 64, 8-byte), the general loop (d = 96),
+        # as a 16-bit call takes them (a bf16 row's direct build serves a bf16 query alone).
+        kernels += [replace(PrefillKernel.planned(kv, head_pad, chunk, True, producer=True), direct=True,
+                            wide_rows=False)
                     for kv, head_pad, chunk in ((KV_BF16, 128, 16), (KV_F16, 96, 16), (KV_F16, 64, 8))]
         # Builds for 16-bit rows only: mma.sync, wgmma, producer and short.
         kernels += [replace(kernel, wide_rows=False)
