@@ -42,6 +42,8 @@ def compiler() -> dict[str, str]:
         return {}
     from kvcupy import jit
     found = {"kernel cache": str(jit.cache_dir())}
+    if jit.EXTRA_OPTIONS:   # $KVCUPY_NVRTC_OPTIONS: every kernel is built (and keyed) with these
+        found["nvrtc extra options"] = " ".join(jit.EXTRA_OPTIONS)
     try:
         found["kernel cache size"] = f"{jit.cache_size_bytes() / 2**20:.1f} MiB"
         found["nvrtc"] = ".".join(map(str, jit.nvrtc_version()))

@@ -38,6 +38,11 @@ SOURCE_DIR_ENV = "KVCUPY_KERNEL_DIR"
 CACHE_DIR_ENV = "KVCUPY_CACHE_DIR"
 # -Xptxas=-v makes ptxas log registers and spills per kernel (read by parse_ptxas_log).
 BASE_OPTIONS = ("--std=c++17", "-Xptxas=-v")
+NVRTC_OPTIONS_ENV = "KVCUPY_NVRTC_OPTIONS"
+# Options every compile adds after BASE_OPTIONS (part of every key): $KVCUPY_NVRTC_OPTIONS,
+# split at whitespace, e.g. "-lineinfo" for a profiler's source view; the tools' A/Bs set
+# it ("nvrtc_options" in tools/*_variants.py) to time one kernel compiled two ways.
+EXTRA_OPTIONS: tuple[str, ...] = tuple(os.environ.get(NVRTC_OPTIONS_ENV, "").split())
 
 Defines = Mapping[str, object]
 
@@ -165,7 +170,7 @@ def define_flags(defines: Defines) -> tuple[str, ...]:
 
 def compile_options(defines: Defines, arch: str, extra_options: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Options that change the cubin (and so enter the key); include paths are added at compile time."""
-    return (*BASE_OPTIONS, f"--gpu-architecture={arch}", *extra_options, *define_flags(defines))
+    return (*BASE_OPTIONS, f"--gpu-architecture={arch}", *EXTRA_OPTIONS, *extra_options, *define_flags(defines))
 
 
 def _digest(*parts: object) -> str:
@@ -413,7 +418,7 @@ def get_function(entry: str, function: str, defines: Defines, arch: str | None =
     device's own, e.g. sm_90; pass "sm_90a" for a kernel that needs sm_90a-only instructions."""
     import cupy
     device = cupy.cuda.runtime.getDevice()
-    memo_key = (device, os.environ.get(SOURCE_DIR_ENV), entry, define_flags(defines), arch)
+    memo_key = (device, os.environ.get(SOURCE_DIR_ENV), entry, define_flags(defines), arch, EXTRA_OPTIONS)
     module = _modules.get(memo_key)
     if module is None:
         result = compile_entry(entry, defines, arch or device_arch())

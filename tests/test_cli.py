@@ -190,6 +190,14 @@ def test_info_json_lists_versions_and_backends():
     assert all(status["detail"] for status in info["backends"])
 
 
+def test_info_names_the_extra_nvrtc_options(monkeypatch):
+    pytest.importorskip("cupy", reason="the compiler's lines need CuPy (the cuda13 extra)")
+    from kvcupy import jit
+    monkeypatch.setattr(jit, "EXTRA_OPTIONS", ())
+    assert "nvrtc extra options" not in run_json(["info"])[1]["versions"]
+    monkeypatch.setattr(jit, "EXTRA_OPTIONS", ("-lineinfo", "-DKVC_X=1"))
+    assert run_json(["info"])[1]["versions"]["nvrtc extra options"] == "-lineinfo -DKVC_X=1"
+
 def test_python_dash_m_cli_is_the_same_command():
     repo_root = Path(__file__).resolve().parents[1]
     completed = subprocess.run([sys.executable, "-m", "cli", "info", "--json"], cwd=repo_root,

@@ -116,6 +116,25 @@ def test_define_flags_spell_c_values():
         jit.define_flags({"A B": 1})
 
 
+def test_extra_options_enter_the_key_and_the_build(kernels, monkeypatch):
+    plain = jit.specialisation_key("test_add", {}, ARCH)
+    monkeypatch.setattr(jit, "EXTRA_OPTIONS", ("-lineinfo",))
+    key = jit.specialisation_key("test_add", {}, ARCH)
+    assert key != plain, "a cubin built with other options must not be served for the plain key"
+    result = jit.compile_entry("test_add", {}, ARCH)
+    assert result.key == key and not result.cached
+    assert "-lineinfo" in json.loads(result.path.with_suffix(".json").read_text())["options"]
+
+
+def test_extra_options_come_from_the_environment_and_bad_ones_name_themselves(kernels):
+    script = ("from kvcupy import jit; print(list(jit.EXTRA_OPTIONS))\n"
+              "try:\n    jit.compile_entry('test_add', {}, 'sm_90')\n"
+              "except jit.CompileError as error:\n    print('--no-such-option' in str(error))\n")
+    env = {**os.environ, jit.NVRTC_OPTIONS_ENV: " -lineinfo  --no-such-option ", "PYTHONPATH": str(REPO)}
+    printed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert printed.stdout.split("\n")[:2] == ["['-lineinfo', '--no-such-option']", "True"], printed.stderr
+
+
 # ---------------------------------------------------------------- compiling and the disk cache
 
 def test_second_compile_is_a_disk_cache_hit(kernels):

@@ -15,6 +15,7 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
              in one block)
   "long_split_tokens": the planner's LONG_SPLIT_TOKENS (splits shorter than this
              take 16-token tiles, whatever "tile" says)
+  "nvrtc_options": extra NVRTC options for every build (jit.EXTRA_OPTIONS), e.g. ["-Ofc=mid"]
   "dependent_merge": false launches the merge plainly, not as a programmatic
              dependent of the attention kernel (cuda_attention.DEPENDENT_MERGE)
   "dependent_attention": false launches the attention kernel plainly, not as a
@@ -65,6 +66,8 @@ def overrides(variant: dict):
     saved = (cuda_attention.Kernel.defines, cuda_attention._choose_kernel, cuda_attention.choose_splits)
     saved_constants = {name: getattr(cuda_attention, name) for name in CONSTANT_KEYS.values()}
     saved_source = os.environ.get(jit.SOURCE_DIR_ENV)
+    saved_options = jit.EXTRA_OPTIONS
+    jit.EXTRA_OPTIONS = tuple(variant.get("nvrtc_options", ()))
     plain_defines, plain_choose, plain_splits = saved[0].fget, saved[1], saved[2]
 
     def defines(kernel):
@@ -92,6 +95,7 @@ def overrides(variant: dict):
         yield
     finally:
         cuda_attention.Kernel.defines, cuda_attention._choose_kernel, cuda_attention.choose_splits = saved
+        jit.EXTRA_OPTIONS = saved_options
         for name, value in saved_constants.items():
             setattr(cuda_attention, name, value)
         if saved_source is None:

@@ -34,6 +34,7 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
                 prefill kernel (cuda_attention.PREFILL_MIN_ROWS; fewer: the decode kernel's row tiles)
   "splits":     the keys' splits a sequence, forced (else choose_prefill_splits decides)
   "split_gain": choose_prefill_splits' PREFILL_SPLIT_GAIN (the modelled gain more splits must promise)
+  "nvrtc_options": extra NVRTC options for every build (jit.EXTRA_OPTIONS), e.g. ["-Ofc=mid"]
   "dependent_attention": false: the attention kernel launched plainly, not as a programmatic
                 dependent (cuda_attention.DEPENDENT_ATTENTION; older "src" kernels must take false)
 SHAPES is a JSON list of [sequences, context, new tokens] (default [[4, 8192, 8192]]:
@@ -129,6 +130,8 @@ def with_variant(variant: dict, run):
     saved = {name: getattr(cuda_attention, name) for name in names}
     plain_defines = cuda_attention.PrefillKernel.defines
     source = os.environ.get(jit.SOURCE_DIR_ENV)
+    plain_options = jit.EXTRA_OPTIONS
+    jit.EXTRA_OPTIONS = tuple(variant.get("nvrtc_options", ()))
     for key, name in CONSTANT_KEYS.items():
         if key in variant:
             setattr(cuda_attention, name, variant[key])
@@ -146,6 +149,7 @@ def with_variant(variant: dict, run):
         for name, value in saved.items():
             setattr(cuda_attention, name, value)
         cuda_attention.PrefillKernel.defines = plain_defines
+        jit.EXTRA_OPTIONS = plain_options
         if source is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
         else:
