@@ -42,7 +42,8 @@ def launcher_kernel(defines: dict) -> Kernel | PrefillKernel:
         return PrefillKernel(defines["KVC_PREFILL_KV"], defines["KVC_HEAD_PAD"], defines["KVC_TILE"],
                              defines["KVC_CHUNK"], defines["KVC_WARPS"], bool(defines.get("KVC_WGMMA", 0)),
                              bool(defines.get("KVC_PRODUCER", 0)), bool(defines.get("KVC_DIRECT", 0)),
-                             bool(defines.get("KVC_ROTATED", 1)), defines["KVC_MIN_BLOCKS"])
+                             bool(defines.get("KVC_ROTATED", 1)), wide_rows=bool(defines.get("KVC_WIDE_ROWS", 1)),
+                             min_blocks=defines["KVC_MIN_BLOCKS"])
     return Kernel(defines["KVC_ATTN_KV"], defines["KVC_HEAD_PAD"], defines["KVC_HEADS"], defines["KVC_QUADS"],
                   defines["KVC_TILE"], defines["KVC_CHUNK"], defines["KVC_STAGING"], defines["KVC_STAGES"])
 

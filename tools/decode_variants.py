@@ -15,7 +15,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
              in one block)
   "long_split_tokens": the planner's LONG_SPLIT_TOKENS (splits shorter than this
              take 16-token tiles, whatever "tile" says)
-  "nvrtc_options": extra NVRTC options for every build (jit.EXTRA_OPTIONS), e.g. ["-Ofc=mid"]
+  "nvrtc_options": extra NVRTC options for every build (jit.EXTRA_OPTIONS, in place of
+             $KVCUPY_NVRTC_OPTIONS's), e.g. ["-Ofc=mid"]
   "dependent_merge": false launches the merge plainly, not as a programmatic
              dependent of the attention kernel (cuda_attention.DEPENDENT_MERGE)
   "dependent_attention": false launches the attention kernel plainly, not as a
@@ -67,7 +68,7 @@ def overrides(variant: dict):
     saved_constants = {name: getattr(cuda_attention, name) for name in CONSTANT_KEYS.values()}
     saved_source = os.environ.get(jit.SOURCE_DIR_ENV)
     saved_options = jit.EXTRA_OPTIONS
-    jit.EXTRA_OPTIONS = tuple(variant.get("nvrtc_options", ()))
+    jit.EXTRA_OPTIONS = tuple(variant.get("nvrtc_options", saved_options))
     plain_defines, plain_choose, plain_splits = saved[0].fget, saved[1], saved[2]
 
     def defines(kernel):

@@ -34,7 +34,8 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
                 prefill kernel (cuda_attention.PREFILL_MIN_ROWS; fewer: the decode kernel's row tiles)
   "splits":     the keys' splits a sequence, forced (else choose_prefill_splits decides)
   "split_gain": choose_prefill_splits' PREFILL_SPLIT_GAIN (the modelled gain more splits must promise)
-  "nvrtc_options": extra NVRTC options for every build (jit.EXTRA_OPTIONS), e.g. ["-Ofc=mid"]
+  "nvrtc_options": extra NVRTC options for every build (jit.EXTRA_OPTIONS, in place of
+                $KVCUPY_NVRTC_OPTIONS's), e.g. ["-Ofc=mid"]
   "dependent_attention": false: the attention kernel launched plainly, not as a programmatic
                 dependent (cuda_attention.DEPENDENT_ATTENTION; older "src" kernels must take false)
 SHAPES is a JSON list of [sequences, context, new tokens] (default [[4, 8192, 8192]]:
@@ -131,7 +132,7 @@ def with_variant(variant: dict, run):
     plain_defines = cuda_attention.PrefillKernel.defines
     source = os.environ.get(jit.SOURCE_DIR_ENV)
     plain_options = jit.EXTRA_OPTIONS
-    jit.EXTRA_OPTIONS = tuple(variant.get("nvrtc_options", ()))
+    jit.EXTRA_OPTIONS = tuple(variant.get("nvrtc_options", plain_options))
     for key, name in CONSTANT_KEYS.items():
         if key in variant:
             setattr(cuda_attention, name, variant[key])

@@ -159,8 +159,14 @@ def _logical_dtype(array: cupy.ndarray, given) -> np.dtype:
     return BFLOAT16 if array.dtype == np.uint16 else np.dtype(array.dtype)
 
 
-@functools.lru_cache(maxsize=None)
 def _function(device_index: int, entry: str, function: str, defines: tuple):
+    return _memoised_function(device_index, entry, function, defines, jit.EXTRA_OPTIONS)
+
+
+@functools.lru_cache(maxsize=None)
+def _memoised_function(device_index: int, entry: str, function: str, defines: tuple, options: tuple):
+    """`options` (jit.EXTRA_OPTIONS, which get_function reads) only keys the memo: a tool
+    that changes them gets the other build."""
     with cupy.cuda.Device(device_index):
         return jit.get_function(entry, function, dict(defines))
 
