@@ -148,7 +148,7 @@ struct Prefill {
   // conflicts. Without KVC_SWIZZLE they keep the core matrices side by side
   // (kvc_wgmma::core_offset), as the decoding pass's tiles do: it could write
   // either (its stores go through decoded_at), but swizzled it measured no
-  // gain and its per-store addresses cost the producer registers (README, Prefill).
+  // gain and its per-store addresses cost the producer registers (docs/gpu-history.md, Prefill).
   static constexpr int kSwizzleBytes = !(DIRECT && KVC_SWIZZLE) ? 0 : HEAD_PAD % 64 == 0 ? 128 : 64;
   static constexpr bool kSwizzled = kSwizzleBytes != 0;
   // Builds for caches without a rotation (KVC_ROTATED 0) leave the query's and

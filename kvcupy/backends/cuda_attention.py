@@ -166,7 +166,7 @@ PREFILL_WGMMA_WARPS = 12
 # 0.634 vs 0.654, 1 x 4096 0.522 vs 0.625: the producer build from
 # PREFILL_PRODUCER_MIN_KEYS keys a sequence (512 to 2048: measured later, below).
 # Since then (the query in registers, raw rows read without bank conflicts;
-# README, Prefill): 4 x 8192 int4 335.8, int8 287.1, fp8 278.6; then (int8 bytes
+# docs/gpu-history.md, Prefill): 4 x 8192 int4 335.8, int8 287.1, fp8 278.6; then (int8 bytes
 # permuted under 0x64, fp8 by cvt.rn.f16x2.e4m3x2) int8 307.8 and, on the bench,
 # int8 304.7, fp8 309.0; then (quantized codes a fixed piece a stager: prefill.cuh,
 # stage_tile) int8 307.1 -> 334.6, fp8 310.7 -> 334.3 and, on the bench, int8
