@@ -232,10 +232,11 @@ def test_every_query_length(mode, seq_lens, query_lens, kv_dtype):
 PREFILL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160)
 
 
+@pytest.mark.parametrize("query_rows", ["model", "float32"])
 @pytest.mark.parametrize("build", ["producer", "wgmma", "mma.sync"])
 @pytest.mark.parametrize("head_size", PREFILL_HEAD_SIZES)
 @pytest.mark.parametrize("kv_dtype,model_dtype", [(kv, np.float16) for kv in KV_DTYPES] + [("auto", "bfloat16")])
-def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, build, monkeypatch):
+def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, build, query_rows, monkeypatch):
     """The prefill kernel (prefill.cuh; head sizes above its class fall back to the
     decode kernel's row tiles): a prompt, a chunk over a longer context, a short
     prompt and a decode row in one batch, so partial row and key tiles, diagonal
@@ -243,7 +244,9 @@ def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, 
     GPU has wgmma (sm_90): the warpgroup one with and without its producer
     warpgroup, and the mma.sync one that older GPUs take. Auto caches of both
     16-bit dtypes: the wgmma builds copy fp16 rows and convert bf16 ones to fp16
-    with a power of two a row."""
+    with a power of two a row. Queries of the model's dtype (a serving model's:
+    the rotated builds without the float32 rows' code, PrefillKernel.wide_rows
+    False) and float32 ones (the builds with it)."""
     warpgroups = build in ("producer", "wgmma")
     monkeypatch.setattr(cuda_attention, "PREFILL_WGMMA", warpgroups)
     monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", build == "producer")
@@ -256,16 +259,17 @@ def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, 
     seq_lens, query_lens = [300, 1000, 77, 5], [300, 130, 77, 1]
     batch = paged_batch(rng, seq_lens, query_lens, 16)
     cache = host_cache(rng, batch, kv_dtype, head_size, 2, 16, model_dtype, "default")
-    query = (rng.standard_normal((batch.num_queries, 8, head_size)) * 2).astype(np.float32)
+    query_dtype = model_dtype if query_rows == "model" else np.dtype(np.float32)
+    query = (rng.standard_normal((batch.num_queries, 8, head_size)) * 2).astype(query_dtype)
     args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
     expected = reference.paged_attention(query, cache, **args)
     planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
-    out = from_device(kc.paged_attention(cupy.asarray(query), device_view(cache), batch=planned), np.float32)
+    out = from_device(kc.paged_attention(device_query(query), device_view(cache), batch=planned), query_dtype)
     (plan,) = planned._backend_plans.values()
     assert isinstance(plan.kernel, PrefillKernel) == (head_size <= 128), plan.kernel
     assert getattr(plan.kernel, "wgmma", False) == warpgroups, plan.kernel
     assert getattr(plan.kernel, "producer", False) == (build == "producer"), plan.kernel
-    check(f"prefill {build} {kv_dtype}/{model_dtype} d={head_size}", out, expected, np.float32)
+    check(f"prefill {build} {kv_dtype}/{model_dtype} d={head_size} q={query_dtype}", out, expected, query_dtype)
 
 
 @pytest.mark.parametrize("build", ["producer", "wgmma", "mma.sync"])
@@ -308,22 +312,24 @@ def test_prefill_bf16_rows_beyond_fp16_range(build, monkeypatch):
                          ids=["plain", "window", "softcap", "sinks"])
 @pytest.mark.parametrize("kv_dtype,head_size", [("int4_per_token_head", 128), ("int4_per_token_head", 96),
                                                 ("int8_per_token_head", 96), ("fp8_per_token_head", 64)])
-def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, options, monkeypatch):
+@pytest.mark.parametrize("query_dtype", (np.float16, np.float32))
+def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, query_dtype, options, monkeypatch):
     """The wgmma build with its producer warpgroup (PREFILL_PRODUCER, taken from
     PREFILL_PRODUCER_MIN_KEYS keys): a chunk of 256 tokens over 5744 cached and a
     prompt of 700 in one batch, so that the producer's raw stages and decoded
     buffers wrap around many times (95 key tiles) and the consumers' output
     products of each tile meet the next tile's softmax; blockdiag caches, the
-    query rotated in the kernel, and window, softcap or sinks."""
+    query rotated in the kernel (an fp16 query: the build without the float32
+    rows' code; a float32 one: the build with it), and window, softcap or sinks."""
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the producer build is a wgmma build: sm_90 GPUs")
     monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", True)
     chosen = recorded_prefill_builds(monkeypatch)
     options = dict(options, sinks=np.zeros(1)) if options.get("sinks") else options   # random logits in run_case
     out, expected = run_case(kv_dtype=kv_dtype, head_size=head_size, seq_lens=(6000, 700), query_lens=(256, 700),
-                             rotation="blockdiag", seed=head_size, **options)
+                             query_dtype=query_dtype, rotation="blockdiag", seed=head_size, **options)
     assert chosen and all(kernel.producer for kernel in chosen), chosen
-    check(f"prefill producer {kv_dtype} d={head_size} {options}", out, expected, np.float32)
+    check(f"prefill producer {kv_dtype} d={head_size} q={query_dtype} {options}", out, expected, query_dtype)
 
 
 @pytest.mark.parametrize("options", [dict(), dict(sliding_window=100, softcap=5.0, sinks=True)],
