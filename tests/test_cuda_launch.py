@@ -31,6 +31,15 @@ def test_a_dependent_config_asks_for_programmatic_serialisation():
     assert int.from_bytes(attribute.value[:4], "little") == 1   # programmaticStreamSerializationAllowed
 
 
+def test_an_attribute_carries_its_whole_payload():
+    # Bytes after a zero byte too: assigned as a char array they stop at the first
+    # zero, and a cluster dimension (4, 1, 1) reached the driver as (4, 0, 0).
+    attribute = cuda_launch.launch_attribute(4, struct.pack("<3I", 4, 1, 1))   # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert attribute.id == 4
+    assert struct.unpack_from("<3I", bytes(attribute), cuda_launch.LaunchAttribute.value.offset) == (4, 1, 1)
+    assert bytes(attribute)[cuda_launch.LaunchAttribute.value.offset + 12:] == bytes(52)
+
+
 def test_a_plain_config_has_no_attributes():
     config = cuda_launch.launch_config((7,), (128, 2), 0, 0x99, False)
     assert list(config.grid) == [7, 1, 1] and list(config.block) == [128, 2, 1]

@@ -51,15 +51,18 @@ class LaunchConfig(ctypes.Structure):
                 ("attribute_count", ctypes.c_uint)]
 
 
-def _programmatic_attribute() -> LaunchAttribute:
+def launch_attribute(attribute_id: int, payload: bytes) -> LaunchAttribute:
+    """A CUlaunchAttribute whose value union starts with `payload`, copied byte for
+    byte: assigned to the char array, bytes stop at the first zero byte (a cluster
+    dimension (4, 1, 1) reached the driver as (4, 0, 0), H100, 2026-12-05)."""
     attribute = LaunchAttribute()
-    attribute.id = PROGRAMMATIC_STREAM_SERIALIZATION
-    # programmaticStreamSerializationAllowed: the union's leading int.
-    attribute.value = (1).to_bytes(4, "little") + bytes(60)
+    attribute.id = attribute_id
+    ctypes.memmove(ctypes.addressof(attribute) + LaunchAttribute.value.offset, payload, len(payload))
     return attribute
 
 
-_PROGRAMMATIC = _programmatic_attribute()
+# programmaticStreamSerializationAllowed: the union's leading int.
+_PROGRAMMATIC = launch_attribute(PROGRAMMATIC_STREAM_SERIALIZATION, (1).to_bytes(4, "little"))
 
 
 _NO_ATTRIBUTES = ctypes.POINTER(LaunchAttribute)()
