@@ -29,6 +29,7 @@ def test_a_dependent_config_asks_for_programmatic_serialisation():
     attribute = config.attributes[0]
     assert attribute.id == 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert int.from_bytes(attribute.value[:4], "little") == 1   # programmaticStreamSerializationAllowed
+    assert bytes(attribute)[cuda_launch.LaunchAttribute.value.offset + 4:] == bytes(60)   # the rest of the union
 
 
 def test_an_attribute_carries_its_whole_payload():
