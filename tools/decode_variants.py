@@ -50,7 +50,7 @@ import numpy as np
 import kvcupy as kc
 from kvcupy import jit
 from kvcupy.backends import cuda_attention
-from gpu_timing import median_call_ms   # tools/, beside this script
+from gpu_timing import median_call_ms, save_results   # tools/, beside this script
 
 DEFAULT_SHAPE = dict(batch=32, context=32768, head_size=128, kv_heads=8, query_heads=32, block_size=16,
                      rotation="none")
@@ -159,8 +159,7 @@ def main() -> None:
                 record.update(error=repr(error)[:400])
             print(record, flush=True)
             results.append(record)
-    with open(os.path.join(os.environ.get("OUT", "."), "variants.json"), "w") as handle:
-        json.dump(results, handle, indent=1)
+    save_results("variants.json", results)
 
 
 if __name__ == "__main__":

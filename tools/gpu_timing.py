@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import cupy
@@ -39,3 +41,10 @@ def median_call_ms(call, rounds: int, calls_per_round: int, warmup: int = 3) -> 
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop) / calls_per_round)
     return float(np.median(times))
+
+
+def save_results(name: str, records: list) -> None:
+    """`records` as JSON to $OUT/`name` (the device's folder that comes back), or to
+    the current folder where $OUT is unset."""
+    with open(os.path.join(os.environ.get("OUT", "."), name), "w") as handle:
+        json.dump(records, handle, indent=1)

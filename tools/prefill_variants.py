@@ -65,7 +65,7 @@ import numpy as np
 import kvcupy as kc
 from kvcupy import jit
 from kvcupy.backends import cuda_attention
-from gpu_timing import median_call_ms   # tools/, beside this script
+from gpu_timing import median_call_ms, save_results   # tools/, beside this script
 
 QUERY_HEADS, KV_HEADS, BLOCK_SIZE = 32, 8, 16
 
@@ -180,8 +180,7 @@ def main() -> None:
                     record.update(error=f"{type(error).__name__}: {error}"[-400:])
                 print(json.dumps(record), flush=True)
                 results.append(record)
-    with open(os.path.join(os.environ.get("OUT", "."), "prefill_variants.json"), "w") as file:
-        json.dump(results, file, indent=1)
+    save_results("prefill_variants.json", results)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,13 @@ write_rotations.json to $OUT (or the current folder).
 
 from __future__ import annotations
 
-import json
-import os
 
 import cupy
 import numpy as np
 import torch
 
 import kvcupy as kc
-from gpu_timing import median_call_ms   # tools/, beside this script
+from gpu_timing import median_call_ms, save_results   # tools/, beside this script
 
 TOKENS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32768, 8, 128, 16
 
@@ -55,8 +53,7 @@ def main() -> None:
                               fraction_of_copy=round(copy_ms / ms, 3))
                 print(record, flush=True)
                 results.append(record)
-    with open(os.path.join(os.environ.get("OUT", "."), "write_rotations.json"), "w") as handle:
-        json.dump(results, handle, indent=1)
+    save_results("write_rotations.json", results)
 
 
 if __name__ == "__main__":
