@@ -1,6 +1,6 @@
 """The write path's cost with and without its rotation, against a copy of the same bytes.
 
-    PYTHONPATH=.:tools python3 tools/write_rotations.py
+    PYTHONPATH=.:tools python3 tools/write_rotations.py   (from the repository root: cli/ too)
 
 The bench's write shape (32768 tokens x 8 KV heads, d = 128, bf16 keys and
 values from torch, pages in random order) into int4 and int8 caches rotated
@@ -14,12 +14,13 @@ write_rotations.json to $OUT (or the current folder).
 
 from __future__ import annotations
 
-
 import cupy
+import ml_dtypes
 import numpy as np
 import torch
 
 import kvcupy as kc
+from cli.bench_cuda import WriteShape, copy_bytes, write_bytes
 from gpu_timing import median_call_ms, save_results   # tools/, beside this script
 
 TOKENS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32768, 8, 128, 16
@@ -39,13 +40,11 @@ def main() -> None:
             for rotation in ("blockdiag", "none"):
                 cache = kc.allocate_cache(pages, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, kv_dtype=kv_dtype, device="cuda",
                                           rotation=kc.rotation_plan(HEAD_SIZE, rotation))
-                arrays = kc.cache_arrays(cache)
-                written = sum(t.nbytes for t in (arrays.key_cache, arrays.value_cache, arrays.k_scale_cache,
-                                                 arrays.v_scale_cache))
-                moved = 2 * key.numel() * key.element_size() + written
+                # The bench's count: K and V read, the packed rows and scales written.
+                moved = write_bytes(WriteShape(TOKENS, KV_HEADS, HEAD_SIZE), kv_dtype, np.dtype(ml_dtypes.bfloat16))
                 ms = median_call_ms(lambda: kc.reshape_and_cache(key, value, cache, slots), rounds=15,
                                     calls_per_round=10)
-                source = cupy.empty(moved // 2, cupy.uint8)   # read + written = the bytes moved
+                source = cupy.empty(copy_bytes(moved) // 2, cupy.uint8)   # read + written = the bytes moved
                 target = cupy.empty_like(source)
                 copy_ms = median_call_ms(lambda: target.__setitem__(Ellipsis, source), rounds=15, calls_per_round=10)
                 record = dict(round=round_, kv_dtype=kv_dtype, rotation=rotation, ms=round(ms, 4),
