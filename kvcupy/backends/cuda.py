@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -160,13 +161,15 @@ def _logical_dtype(array: cupy.ndarray, given) -> np.dtype:
 
 
 def _function(device_index: int, entry: str, function: str, defines: tuple):
-    return _memoised_function(device_index, entry, function, defines, jit.EXTRA_OPTIONS)
+    return _memoised_function(device_index, entry, function, defines, jit.EXTRA_OPTIONS,
+                              os.environ.get(jit.SOURCE_DIR_ENV))
 
 
 @functools.lru_cache(maxsize=None)
-def _memoised_function(device_index: int, entry: str, function: str, defines: tuple, options: tuple):
-    """`options` (jit.EXTRA_OPTIONS, which get_function reads) only keys the memo: a tool
-    that changes them gets the other build."""
+def _memoised_function(device_index: int, entry: str, function: str, defines: tuple, options: tuple,
+                       source_override: str | None):
+    """`options` (jit.EXTRA_OPTIONS) and `source_override` ($KVCUPY_KERNEL_DIR), which
+    get_function reads, only key the memo: a tool that changes them gets the other build."""
     with cupy.cuda.Device(device_index):
         return jit.get_function(entry, function, dict(defines))
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything a GPU is needed for, in one call, from the source tree:
+#   the GPU tests (tools/gpu_tests.py: parallel parts sharing the GPU),
+#   compute-sanitizer memcheck on a subset (decode and prefill over shuffled pages),
+#   the bench of every group (JSON, for docs/measurements/<gpu>.json).
+# Logs and JSON go to $1 (default: $OUT, else ./gpu-check).
+#
+#   tools/gpu_check.sh [OUTPUT_DIR] [--quick]
+#
+# --quick: the long-context error tests and the decode bench group only.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-gpu-check}}
+quick=${2:-}
+mkdir -p "$out"
+export PYTHONPATH=.
+export KVCUPY_CACHE_DIR=${KVCUPY_CACHE_DIR:-/tmp/kvcupy-cache}
+status=0
+
+nvidia-smi -L | tee "$out/gpu.txt"
+
+if [ "$quick" = "--quick" ]; then
+    python3 -m pytest -q -m gpu tests/test_long_context_error.py >"$out/long-context.log" 2>&1 || status=1
+    tail -3 "$out/long-context.log"
+    python3 -m cli bench --backend cuda --groups decode --json >"$out/bench.json" 2>"$out/bench.log" || status=1
+    tail -3 "$out/bench.log"
+    exit $status
+fi
+
+python3 tools/gpu_tests.py --parts 12 --logs "$out/tests" --timeout 420 -- -m gpu -q tests \
+    >"$out/tests.log" 2>&1 || status=1
+tail -5 "$out/tests.log"
+
+if command -v compute-sanitizer >/dev/null; then
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
+        "tests/test_gpu_attention.py" -k "shuffled or sanitizer" >"$out/memcheck.log" 2>&1 || status=1
+    tail -3 "$out/memcheck.log"
+else
+    echo "compute-sanitizer not found: memcheck skipped" | tee "$out/memcheck.log"
+fi
+
+python3 -m cli bench --backend cuda --json >"$out/bench.json" 2>"$out/bench.log" || status=1
+tail -5 "$out/bench.log"
+exit $status
