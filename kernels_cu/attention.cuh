@@ -21,8 +21,9 @@
 //
 // Cache codes enter the products exactly: int4 nibbles and int8 codes as
 // OFFSET + code (exact fp16 integers), fp8 e4m3 as a subset of fp16 times
-// 2^-8. Offsets and zero-points come out on the score side (K: per-row sums
-// of the query) and through per-row sums of the probabilities (V); scales
+// 2^-8. For K the offsets and zero-points come out on the score side (per-row
+// sums of the query); V codes lose theirs before the product (code - zp, still
+// exact), so the output accumulators never carry a large common part. Scales
 // apply in fp32 on the score side (K) and on the probability side (V). For V
 // the probabilities are multiplied by scale / R, R the largest V scale seen
 // so far by this warp (a running reference, rescaled like the softmax
@@ -259,6 +260,13 @@ constexpr int kDtypeF32 = 0, kDtypeF16 = 1, kDtypeBf16 = 2;
 __device__ __forceinline__ u32 lop_and_or(u32 x, u32 mask, u32 bits) {
   u32 r;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));  // (x & m) | b
+  return r;
+}
+
+// a - b on fp16 pairs (exact where both are integers under 2048).
+__device__ __forceinline__ u32 sub_half2(u32 a, u32 b) {
+  u32 r;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
 
@@ -541,8 +549,8 @@ struct Attention {
 
   // Code offsets: conversions leave OFFSET + code in fp16 (int4: the nibble
   // under 0x6400 = 1024; int8: the biased byte under 0x6400 = 1024 + 128), exact;
-  // the products subtract OFFSET (and the zero-point) once per score and once
-  // per output row instead of once per value. fp8 and plain caches have none.
+  // scores subtract OFFSET (and the zero-point) once per score, value codes
+  // before the output product. fp8 and plain caches have none.
   static constexpr bool kOffset = KV == KV_INT4 || KV == KV_INT8;
   static constexpr u32 kOffsetHalf = KV == KV_INT8 ? 0x6480u : 0x6400u;   // 1152 or 1024 in fp16
   static constexpr float kOffsetValue = KV == KV_INT8 ? 1152.f : 1024.f;
@@ -1254,18 +1262,8 @@ struct Attention {
     }
 
     float out[MD][NP][4];
-    // What the codes' offsets add to every output channel, from one more output
-    // product whose A rows are OFFSET + zp_j for low-nibble dims (rows g) and
-    // OFFSET + 16 zp_j for high ones (rows g + 8): every lane holds them for its
-    // own accumulators, in out's column layout (its rows g, g + 8 alike). The
-    // same tensor-core sums as the outputs' (rather than fp32 sums of the
-    // zero-points on the side), so that the large parts cancel closely: the
-    // per-channel error at 32768 tokens showed the difference.
-    float offset_sum[NP][4];
 #pragma unroll
     for (int np = 0; np < NP; ++np) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) offset_sum[np][i] = 0.f;
 #pragma unroll
       for (int md = 0; md < MD; ++md)
 #pragma unroll
@@ -1467,10 +1465,6 @@ struct Attention {
               out[md][np][2] *= f0;
               out[md][np][3] *= f1;
             }
-            offset_sum[np][0] *= f0;
-            offset_sum[np][1] *= f1;
-            offset_sum[np][2] *= f0;
-            offset_sum[np][3] *= f1;
           }
         }
   #pragma unroll
@@ -1495,6 +1489,18 @@ struct Attention {
           // of units at a time, each used by the M tiles it holds.
           u32 words[4][(T::kValueUnits + 1) / 2];
           const u32* const rows[4] = {words[0], words[1], words[2], words[3]};
+          // OFFSET + zero-point of the A fragment's tokens, per register (rows g
+          // and g + 8 of tokens 2t, 2t + 1, then of 2t + 8, 2t + 9), subtracted
+          // from every code before the product (exactly: integers in fp16). Left
+          // in, they add OFFSET x sum(P) to every accumulator, and the tensor
+          // cores' fp32 sums, which truncate, lose a share of that large common
+          // part that grows with the keys summed: a bias common to every channel.
+          u32 centre[4];
+          if constexpr (kOffset) {
+            const u32* scale_words = value_scales + ((first_step + j) * 16 + 2 * t) * HEADS;
+            offset_pairs(scale_words[0], scale_words[HEADS], centre[0], centre[1]);
+            offset_pairs(scale_words[8 * HEADS], scale_words[9 * HEADS], centre[2], centre[3]);
+          }
   #pragma unroll
           for (int vector = 0; vector < kValueLoads; ++vector) {
   #pragma unroll
@@ -1506,22 +1512,16 @@ struct Attention {
               if (value_load_of(md) != vector) continue;
               u32 a[4];
               value_fragment(rows, md, a);
+              if constexpr (kOffset) {
+  #pragma unroll
+                for (int i = 0; i < 4; ++i) a[i] = sub_half2(a[i], centre[i]);
+              }
   #pragma unroll
               for (int np = 0; np < NP; ++np) {
                 mma<kBf16>(out[md][np], a, pb[np][0][0], pb[np][0][1]);
                 if constexpr (kBf16 && !kLowSlot) mma<kBf16>(out[md][np], a, pb[np][1][0], pb[np][1][1]);
               }
             }
-          }
-          if constexpr (kOffset) {
-            // Every row g of the A operand the same: the tokens 2t, 2t + 1 (and + 8)
-            // of lane t's columns, their scale words read from the stage.
-            const u32* words = value_scales + ((first_step + j) * 16 + 2 * t) * HEADS;
-            u32 a[4];
-            offset_pairs(words[0], words[HEADS], a[0], a[1]);
-            offset_pairs(words[8 * HEADS], words[9 * HEADS], a[2], a[3]);
-  #pragma unroll
-            for (int np = 0; np < NP; ++np) mma<kBf16>(offset_sum[np], a, pb[np][0][0], pb[np][0][1]);
           }
         }
       }
@@ -1546,17 +1546,9 @@ struct Attention {
     for (int quad = 0; quad < QUADS; ++quad) {
       const int row = row_begin + quad * 4 + t;
       const float sum = sum_over_columns(running_sum[quad]);
-      // Columns 2t (+ 2t + 1 for the low halves) of tile quad / 2 hold this row;
-      // the offset sums of those columns: [c] for output dims g, [c + 2] for dims g + 8.
+      // Columns 2t (+ 2t + 1 for the low halves) of tile quad / 2 hold this row.
       const int np = quad / 2, j = quad % 2;
       const bool with_low = kLowSlot && np == NP - 1;
-      float offsets[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float column0 = kOffset ? offset_sum[np][2 * r] : 0.f;
-        const float column1 = kOffset ? offset_sum[np][2 * r + 1] : 0.f;
-        offsets[r] = with_low ? column0 + column1 : j ? column1 : column0;
-      }
       if (!row_valid[quad]) continue;
       const long long index = part_index(p, split_rows, q_begin, row, kv_head);
       if (g == 0) store_part_stats(p, index, running_max[quad], sum);
@@ -1568,7 +1560,7 @@ struct Attention {
           const int channel = value_dim_of(16 * md + g + 8 * r);
           const float unit = r ? reference / kHighNibble : reference;
           const float accumulated = with_low ? out[md][np][2 * r] + out[md][np][2 * r + 1] : out[md][np][2 * r + j];
-          if (channel < p.head_size) destination[channel] = (accumulated - offsets[r]) * unit;
+          if (channel < p.head_size) destination[channel] = accumulated * unit;
         }
       }
     }

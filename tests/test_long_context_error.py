@@ -45,6 +45,11 @@ QUERY_FACTORS = {"flat": 0.05, "peaked": 4.0}   # logits' spread about 0.1 and 7
 QUERY_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(MODEL_DTYPES["bfloat16"]))
 PREFILL_QUERY_TOKENS = 16   # x GROUP = 64 rows a KV head: the GPU's prefill kernel
 BOUND = 1e-3
+# A 16-bit output's own rounding: where the kernel's float32 result and the
+# oracle fall on either side of a rounding boundary they differ by an ulp
+# (2u relative, u the unit roundoff), a few rows of a channel at most.
+OUTPUT_ROUNDING = {np.dtype(np.float32): 0.0, np.dtype(np.float16): 2.0 ** -11,
+                   np.dtype(MODEL_DTYPES["bfloat16"]): 2.0 ** -8}
 GROWTH, FLOOR = 4.0, 5e-5
 
 
@@ -123,6 +128,7 @@ def test_the_error_per_channel_does_not_grow_with_the_context(backend, phase, qu
         pytest.skip(f"the CUDA backend is not usable here: {backends.status('cuda').detail}")
     contexts = GPU_CONTEXTS if backend == "cuda" else CPU_CONTEXTS
     query_tokens = 1 if phase == "decode" else PREFILL_QUERY_TOKENS
+    bound = BOUND + OUTPUT_ROUNDING[query_dtype]
     worst = {}
     for context in contexts:
         case = f"{backend} {phase} {kv_dtype} d={head_size} {attention} {query_dtype.name} context={context}"
@@ -130,9 +136,9 @@ def test_the_error_per_channel_does_not_grow_with_the_context(backend, phase, qu
         mean_abs, signed = channel_errors(out, oracle(kv_dtype, head_size, context, attention, query_tokens),
                                           query_dtype)
         channel = int(np.argmax(mean_abs))
-        assert mean_abs[channel] <= BOUND, f"{case}: channel {channel} mean |error| {mean_abs[channel]:.2e}"
+        assert mean_abs[channel] <= bound, f"{case}: channel {channel} mean |error| {mean_abs[channel]:.2e}"
         channel = int(np.argmax(np.abs(signed)))
-        assert abs(signed[channel]) <= BOUND, f"{case}: channel {channel} signed mean error {signed[channel]:.2e}"
+        assert abs(signed[channel]) <= bound, f"{case}: channel {channel} signed mean error {signed[channel]:.2e}"
         worst[context] = float(mean_abs.max())
     if query_dtype != np.float32:
         return   # a 16-bit output's error is whole ulps flipped in rounding: no trend to read
