@@ -7,7 +7,7 @@
 //   KVC_ROTATE (0/1), KVC_KRON (0/1)                 the transform (0: only orders and divisor)
 //   KVC_INPUT_T, KVC_OUTPUT_T                        x and out dtypes (formats.CPP_TYPES)
 //   KVC_ORDERS (0/1)                                 read_order / write_order may be given
-//   KVC_WIDEN_BY_BITS, KVC_MIN_BLOCKS                tuning (cuda.py says what was measured)
+//   KVC_MIN_BLOCKS                                   blocks a multiprocessor (launch bounds)
 #include "common.cuh"
 #include "rotation.cuh"
 

@@ -301,38 +301,12 @@ struct LaneSigns {
     }
 };
 
-// float -> double. Hardware conversions run at a quarter of the float64 add
-// rate on sm_90, and the write path converts every value twice; moving the
-// bits is exact for zero and normal numbers and leaves that pipe to the adds.
-// Subnormal, infinite and NaN inputs take the hardware conversion.
-__device__ __forceinline__ bool widens_by_bits(float x) {
-    const u32 magnitude = __float_as_uint(x) & 0x7fffffffu;
-    return magnitude == 0 || magnitude - 0x00800000u < 0x7f000000u;
-}
-__device__ __forceinline__ double widen_bits(float x) {
-    const u32 f = __float_as_uint(x);
-    const u32 magnitude = f & 0x7fffffffu;
-    const u32 high = magnitude ? (magnitude >> 3) + 0x38000000u : 0u;   // rebias 127 -> 1023
-    return __hiloint2double(int(high | (f & 0x80000000u)), int(f << 29));
-}
-
 // x (the lane's values, initial layout, float32) -> double, with the signs
 // `bits` applied (forward rotation) or not (bits all zero).
 template <class Layout>
 __device__ __forceinline__ void widen(const float (&x)[Layout::kValues], const u32 (&bits)[Layout::kRows],
                                       double (&v)[Layout::kValues]) {
     constexpr int C = Layout::kColumns;
-#if KVC_WIDEN_BY_BITS
-    bool exact = true;
-#pragma unroll
-    for (int i = 0; i < Layout::kValues; ++i) exact &= widens_by_bits(x[i]);
-    if (exact) {
-#pragma unroll
-        for (int i = 0; i < Layout::kValues; ++i)
-            v[i] = widen_bits(negate_if(x[i], (bits[i / C] >> (i % C)) & 1u));
-        return;
-    }
-#endif
 #pragma unroll
     for (int i = 0; i < Layout::kValues; ++i)
         v[i] = double(negate_if(x[i], (bits[i / C] >> (i % C)) & 1u));

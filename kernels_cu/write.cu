@@ -7,7 +7,7 @@
 //   KVC_ROUND_TO_INPUT (0/1)                         the vllm preset's rounding
 //   KVC_INPUT_T                                      key/value dtype (formats.CPP_TYPES)
 //   KVC_KV_DTYPE, KVC_CACHE_T                        the cache (formats.KVDtype.kernel_defines)
-//   KVC_WIDEN_BY_BITS, KVC_THREADS, KVC_MIN_BLOCKS   tuning (cuda.py says what was measured)
+//   KVC_THREADS, KVC_MIN_BLOCKS                      block size, blocks a multiprocessor
 #include "common.cuh"
 #include "rotation.cuh"
 #include "quantize.cuh"

@@ -84,6 +84,7 @@ class BatchPlan:
     host: dict[str, np.ndarray] | None
     _uploads: _Uploads
     table_width: int = 0   # block_table's columns: with block_size, a bound on every length
+    tuning: Any = None     # a backend's tunables (e.g. backends.cuda_attention.Tuning); None: its defaults
     _backend_plans: dict = field(default_factory=dict)
 
     @property
@@ -141,8 +142,10 @@ def _check_contents(table: np.ndarray, lens: np.ndarray, starts: np.ndarray,
 
 
 def plan_batch(*, block_table, seq_lens, cu_seqlens_q=None, block_size: int, num_blocks: int,
-               num_query_tokens: int | None = None, validate: bool = False) -> BatchPlan:
-    """Check a batch's metadata once (module docstring's policy) and plan it."""
+               num_query_tokens: int | None = None, validate: bool = False, tuning=None) -> BatchPlan:
+    """Check a batch's metadata once (module docstring's policy) and plan it.
+    `tuning`: the backend's tunables for this batch's plans (the CUDA backend's
+    cuda_attention.Tuning); None takes its defaults."""
     lens = _index(seq_lens, "seq_lens", 1)
     num_seqs = lens.shape[0]
     table = _index(block_table, "block_table", 2)
@@ -172,7 +175,7 @@ def plan_batch(*, block_table, seq_lens, cu_seqlens_q=None, block_size: int, num
         name: np.ascontiguousarray(a.data, dtype=np.int32) for name, a in named.items() if a.device == HOST}
     device_arrays = {name: a for name, a in named.items() if a.device != HOST}
     return BatchPlan(num_seqs, block_size, num_blocks, checked=host is not None, host=host,
-                     _uploads=_Uploads(host_arrays, device_arrays), table_width=table.shape[1])
+                     _uploads=_Uploads(host_arrays, device_arrays), table_width=table.shape[1], tuning=tuning)
 
 
 @dataclass(eq=False)

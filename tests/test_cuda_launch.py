@@ -66,16 +66,6 @@ def test_parameters_sit_at_their_natural_alignment():
     assert cuda_launch.parameter_layout("iqid").size == 32
 
 
-def test_numpy_arguments_type_scalars_by_their_codes():
-    array = FakeDeviceArray()
-    typed = cuda_launch.numpy_arguments("PiqfP", (array, 7, 8, 0.5, np.uintp(0)))
-    assert typed[0] is array and typed[4] == 0
-    assert [type(value) for value in typed[1:4]] == [np.int32, np.int64, np.float32]
-    assert typed[1:4] == (7, 8, 0.5)
-    with pytest.raises(ValueError, match="takes 2 arguments, not 1"):
-        cuda_launch.numpy_arguments("Pi", (array,))
-
-
 def test_bad_signatures_and_arguments_are_refused():
     with pytest.raises(ValueError, match="no parameter code 'x'"):
         cuda_launch.parameter_layout("Pxi")

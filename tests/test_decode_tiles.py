@@ -11,6 +11,7 @@ from kvcupy.backends import cuda_attention as ca
 from kvcupy.backends.cuda_attention import KV_BF16, KV_FP8, KV_INT4, KV_INT8, Kernel
 
 ONE_BYTE = (KV_INT8, KV_FP8)
+TUNING = ca.DEFAULT_TUNING
 
 
 def sixteen_token(kv: int, head_pad: int, heads: int = 8, quads: int = 1) -> Kernel:
@@ -21,13 +22,13 @@ def sixteen_token(kv: int, head_pad: int, heads: int = 8, quads: int = 1) -> Ker
 def test_d128_takes_one_block_of_32_token_tiles(kv):
     """Three stages of 32 tokens x 8 heads fill a multiprocessor: one block of 8 warps
     (measured faster than two blocks of 16-token tiles)."""
-    chosen = ca._round_tile(sixteen_token(kv, 128))
+    chosen = ca._round_tile(sixteen_token(kv, 128), TUNING)
     assert (chosen.tile, chosen.stages, chosen.blocks_per_sm) == (32, 3, 1)
 
 
 @pytest.mark.parametrize("kv", ONE_BYTE)
 def test_d96_keeps_two_blocks_with_two_stages(kv):
-    chosen = ca._round_tile(sixteen_token(kv, 96))
+    chosen = ca._round_tile(sixteen_token(kv, 96), TUNING)
     assert (chosen.tile, chosen.stages, chosen.blocks_per_sm) == (32, 2, 2)
 
 
@@ -36,12 +37,12 @@ def test_d96_keeps_two_blocks_with_two_stages(kv):
 @pytest.mark.parametrize("head_pad", range(32, 257, 32))
 def test_a_wider_tile_fits_and_keeps_enough_warps(kv, heads, head_pad):
     before = sixteen_token(kv, head_pad, heads)
-    chosen = ca._round_tile(before)
+    chosen = ca._round_tile(before, TUNING)
     if chosen == before:
         return
-    assert chosen.tile == 32 and head_pad <= ca.DECODE_ROUND_MAX_HEAD_PAD
+    assert chosen.tile == 32 and head_pad <= TUNING.round_max_head_pad
     assert chosen.shared_bytes <= ca.SHARED_BYTES_PER_SM
-    assert chosen.blocks_per_sm * chosen.heads >= ca.DECODE_ROUND_MIN_WARPS
+    assert chosen.blocks_per_sm * chosen.heads >= TUNING.round_min_warps
     other = Kernel(kv, head_pad, heads, 1, 32, 16, ca.STAGE_ROWS, 5 - chosen.stages)   # the stage count not taken
     assert other.blocks_per_sm * other.heads <= chosen.blocks_per_sm * chosen.heads
 
@@ -53,16 +54,16 @@ def test_a_wider_tile_fits_and_keeps_enough_warps(kv, heads, head_pad):
     Kernel(KV_INT4, 128, 8, 1, 32, 16, ca.STAGE_ROWS),   # int4 has 32-token tiles already
 ], ids=("two-quads", "d160", "auto", "int4"))
 def test_others_keep_their_kernel(kernel):
-    assert ca._round_tile(kernel) == kernel
+    assert ca._round_tile(kernel, TUNING) == kernel
 
 
 @pytest.mark.parametrize("kv", ONE_BYTE)
 def test_row_copies_need_three_stages(kv):
     """Row staging issues its copies a tile late (attention.cuh asserts three
     stages for it): a two-stage kernel takes bulk copies instead."""
-    chosen = ca._settle_staging(ca._round_tile(sixteen_token(kv, 96)))
+    chosen = ca._settle_staging(ca._round_tile(sixteen_token(kv, 96), TUNING))
     assert (chosen.stages, chosen.staging) == (2, ca.STAGE_BULK)
-    chosen = ca._settle_staging(ca._round_tile(sixteen_token(kv, 128)))
+    chosen = ca._settle_staging(ca._round_tile(sixteen_token(kv, 128), TUNING))
     assert (chosen.stages, chosen.staging) == (3, ca.STAGE_ROWS)
     int4 = Kernel(KV_INT4, 128, 8, 1, 32, 16, ca.STAGE_ROWS)
     assert ca._settle_staging(int4) == int4
@@ -91,7 +92,7 @@ def auto_cache(head_size, num_kv_heads=8, block_size=16, head_stride=None):
 def test_auto_caches_take_row_copies_on_sm90(head_size):
     """16-bit caches take row copies (zero-filled past a sequence: no stale rows)
     where a block serves 4k heads of unpadded rows; bulk copies never."""
-    chosen = ca._choose_kernel(auto_cache(head_size), KV_BF16, 1, 90)
+    chosen = ca._choose_kernel(auto_cache(head_size), KV_BF16, 1, 90, TUNING)
     assert chosen.staging == (ca.STAGE_ROWS if chosen.heads % 4 == 0 else ca.STAGE_THREADS)
     assert chosen.stages >= ca.ROW_STAGING_MIN_STAGES or chosen.staging != ca.STAGE_ROWS
     if head_size <= 128:
@@ -99,12 +100,11 @@ def test_auto_caches_take_row_copies_on_sm90(head_size):
 
 
 @pytest.mark.parametrize("case", ["sm80", "padded", "two heads", "strided heads", "rows off"])
-def test_auto_caches_keep_thread_copies_otherwise(case, monkeypatch):
+def test_auto_caches_keep_thread_copies_otherwise(case):
     cache = {"padded": auto_cache(80), "two heads": auto_cache(128, num_kv_heads=2),
              "strided heads": auto_cache(128, head_stride=512)}.get(case, auto_cache(128))
-    if case == "rows off":
-        monkeypatch.setattr(ca, "ROW_STAGING", False)
-    chosen = ca._choose_kernel(cache, KV_BF16, 1, 80 if case == "sm80" else 90)
+    tuning = replace(TUNING, row_staging=case != "rows off")
+    chosen = ca._choose_kernel(cache, KV_BF16, 1, 80 if case == "sm80" else 90, tuning)
     assert chosen.staging == ca.STAGE_THREADS
 
 
@@ -113,10 +113,10 @@ def test_int4_takes_64_token_tiles(head_pad, stages, blocks):
     """int4, one quad, row copies: 64-token tiles (measured faster where splits are
     long: cuda_attention), at d = 128 one block of 8 warps a multiprocessor, at
     d = 96 two of two stages, their row copies issued before a tile."""
-    chosen = ca._long_tile(Kernel(KV_INT4, head_pad, 8, 1, 32, 16, ca.STAGE_ROWS))
+    chosen = ca._long_tile(Kernel(KV_INT4, head_pad, 8, 1, 32, 16, ca.STAGE_ROWS), TUNING)
     assert (chosen.tile, chosen.stages, chosen.blocks_per_sm) == (ca.DECODE_LONG_TILE, stages, blocks)
     assert chosen.shared_bytes <= ca.SHARED_BYTES_PER_SM // blocks
-    assert chosen.blocks_per_sm * chosen.heads >= ca.DECODE_ROUND_MIN_WARPS
+    assert chosen.blocks_per_sm * chosen.heads >= TUNING.round_min_warps
     assert chosen.rows_before == (stages < ca.ROW_STAGING_MIN_STAGES)
     assert chosen.defines.get("KVC_ROWS_BEFORE", 0) == int(chosen.rows_before)
 
@@ -130,7 +130,7 @@ def test_int4_takes_64_token_tiles(head_pad, stages, blocks):
     Kernel(KV_INT8, 128, 8, 1, 32, 16, ca.STAGE_ROWS),   # 1-byte codes: a 64-token block does not fit
 ], ids=("d96-four-heads", "d64", "two-quads", "bulk", "four-heads", "int8"))
 def test_others_keep_32_token_tiles(kernel):
-    assert ca._long_tile(kernel) == kernel
+    assert ca._long_tile(kernel, TUNING) == kernel
 
 
 def test_check_compiles_the_long_tile():
@@ -157,7 +157,7 @@ def splitting(longest: int, slots: int = 132):
     """A stand-in for plan_attention's split_keys: the splits a sequence of `longest`
     keys gets on `slots` blocks, in whole tiles (4 tiles a split at least)."""
     def split_keys(kernel):
-        splits = max(1, min(slots, longest // (ca.MIN_TILES_PER_SPLIT * kernel.tile)))
+        splits = max(1, min(slots, longest // (TUNING.min_tiles_per_split * kernel.tile)))
         tokens = -(-longest // splits)
         tokens = -(-tokens // kernel.tile) * kernel.tile
         return -(-longest // tokens), tokens
@@ -168,46 +168,37 @@ LONG = Kernel(KV_INT4, 128, 8, 1, ca.DECODE_LONG_TILE, 16, ca.STAGE_ROWS)
 
 
 def test_long_tiles_stay_where_the_splits_are_long():
-    kernel, splits, tokens = ca._fit_tile_to_splits(LONG, splitting(32768, slots=4))
+    kernel, splits, tokens = ca._fit_tile_to_splits(LONG, splitting(32768, slots=4), TUNING)
     assert (kernel, splits, tokens) == (LONG, 4, 8192)
 
 
 def test_short_splits_take_32_token_tiles_and_split_again():
-    """Splits of fewer than DECODE_LONG_TILE_MIN_SPLIT_TOKENS keys: the 32-token
+    """Splits of fewer than Tuning.long_tile_min_split_tokens keys: the 32-token
     kernel, with the splits worked out again for it."""
-    kernel, splits, tokens = ca._fit_tile_to_splits(LONG, splitting(4096))
+    kernel, splits, tokens = ca._fit_tile_to_splits(LONG, splitting(4096), TUNING)
     assert kernel == replace(LONG, tile=ca.DECODE_ROUND_TILE)
     assert (splits, tokens) == splitting(4096)(kernel)
-    assert tokens < ca.DECODE_LONG_TILE_MIN_SPLIT_TOKENS
+    assert tokens < TUNING.long_tile_min_split_tokens
 
 
 TWO_BLOCKS = Kernel(KV_INT4, 96, 8, 1, ca.DECODE_LONG_TILE, 16, ca.STAGE_ROWS, stages=2)
 
 
 def test_two_blocks_stay_where_the_splits_are_long():
-    kernel, splits, tokens = ca._fit_tile_to_splits(TWO_BLOCKS, splitting(32768, slots=8))
+    kernel, splits, tokens = ca._fit_tile_to_splits(TWO_BLOCKS, splitting(32768, slots=8), TUNING)
     assert (kernel, splits, tokens) == (TWO_BLOCKS, 8, 4096)
 
 
 @pytest.mark.parametrize("longest,tile", [(8192, ca.DECODE_LONG_TILE), (2048, ca.DECODE_ROUND_TILE)])
 def test_short_splits_take_one_block_of_three_stages(longest, tile):
-    """Splits of fewer than DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS keys: the one-block
+    """Splits of fewer than Tuning.two_block_min_split_tokens keys: the one-block
     build of three stages, split again, and on to 32-token tiles where those
     splits are short too."""
-    kernel, splits, tokens = ca._fit_tile_to_splits(TWO_BLOCKS, splitting(longest, slots=8))
+    kernel, splits, tokens = ca._fit_tile_to_splits(TWO_BLOCKS, splitting(longest, slots=8), TUNING)
     assert kernel == replace(TWO_BLOCKS, stages=ca.STAGES, tile=tile)
     assert not kernel.rows_before and (splits, tokens) == splitting(longest, slots=8)(kernel)
 
 
-def test_long_split_tokens_step_down_to_16(monkeypatch):
-    """Below LONG_SPLIT_TOKENS (0 by default: never) every longer tile takes 16 tokens,
-    the 64-token one by way of 32."""
-    monkeypatch.setattr(ca, "LONG_SPLIT_TOKENS", 4096)
-    for kernel in (LONG, replace(LONG, tile=ca.DECODE_ROUND_TILE)):
-        fitted, splits, tokens = ca._fit_tile_to_splits(kernel, splitting(8192))
-        assert fitted == replace(LONG, tile=16) and (splits, tokens) == splitting(8192)(fitted)
-
-
 def test_prefill_kernels_keep_their_tile():
     prefill = ca.PrefillKernel.planned(KV_INT4, 128, 16, True)
-    assert ca._fit_tile_to_splits(prefill, splitting(256))[0] == prefill
+    assert ca._fit_tile_to_splits(prefill, splitting(256), TUNING)[0] == prefill

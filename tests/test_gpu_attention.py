@@ -48,6 +48,8 @@ weight: inside the same bound. Those outputs are bf16, whose own rounding
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -64,12 +66,21 @@ if not backends.status("cuda").usable:
 
 import cupy  # noqa: E402  (only where the backend is usable)
 
-from .device_arrays import DeviceBf16, device_query, device_view, from_device, to_device  # noqa: E402,F401
+from .device_arrays import DeviceBf16, device_query, device_view, from_device  # noqa: E402
 
 from kvcupy.backends import cuda_attention  # noqa: E402
-from kvcupy.backends.cuda_attention import PrefillKernel  # noqa: E402
+from kvcupy.backends.cuda_attention import DEFAULT_TUNING, PrefillKernel  # noqa: E402
 
 ATTENTION_BOUND = 2e-3
+NEVER = 1 << 30   # a key count no test reaches: tunings that switch a build off
+
+
+def prefill_tuning(build: str):
+    """The planner's tuning that takes `build` ("producer", "wgmma" or "mma.sync")
+    for the prefill kernel on sm_90, from any number of keys."""
+    keys = 0 if build == "producer" else NEVER
+    return replace(DEFAULT_TUNING, prefill_wgmma=build != "mma.sync", prefill_producer_min_keys=keys,
+                   prefill_producer_min_keys_rotated=keys)
 OUTPUT_ROUNDING = {np.dtype(np.float32): 0.0, np.dtype(np.float16): 2.0 ** -12,
                    np.dtype(kc.formats.MODEL_DTYPES["bfloat16"]): 2.0 ** -9}
 
@@ -105,7 +116,7 @@ def check(case: str, out, expected, out_dtype):
 
 def run_case(*, kv_dtype="int4_per_token_head", head_size=128, block_size=16, num_kv_heads=2, group=4,
              seq_lens=(300, 1000), query_lens=(1, 1), query_dtype=np.float32, model_dtype=np.float16,
-             rotation="default", seed=0, **options):
+             rotation="default", seed=0, tuning=None, **options):
     rng = np.random.default_rng(seed)
     batch = paged_batch(rng, list(seq_lens), list(query_lens), block_size)
     cache = host_cache(rng, batch, kv_dtype, head_size, num_kv_heads, block_size, model_dtype, rotation)
@@ -115,6 +126,9 @@ def run_case(*, kv_dtype="int4_per_token_head", head_size=128, block_size=16, nu
         options["sinks"] = rng.standard_normal(num_heads).astype(np.float32)
     args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
     expected = reference.paged_attention(query, cache, **args, **options)
+    if tuning is not None:
+        args = dict(batch=kc.plan_batch(**args, block_size=block_size, num_blocks=batch.num_blocks,
+                                        num_query_tokens=batch.num_queries, tuning=tuning))
     result = kc.paged_attention(device_query(query), device_view(cache), **args, **options)
     return from_device(result, np.dtype(query_dtype)), expected
 
@@ -183,7 +197,7 @@ PREFILL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160)
 @pytest.mark.parametrize("build", ["producer", "wgmma", "mma.sync"])
 @pytest.mark.parametrize("head_size", PREFILL_HEAD_SIZES)
 @pytest.mark.parametrize("kv_dtype,model_dtype", [(kv, np.float16) for kv in KV_DTYPES] + [("auto", "bfloat16")])
-def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, build, query_rows, monkeypatch):
+def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, build, query_rows):
     """The prefill kernel (prefill.cuh; head sizes above its class fall back to the
     decode kernel's row tiles): a prompt, a chunk over a longer context, a short
     prompt and a decode row in one batch, so partial row and key tiles, diagonal
@@ -195,9 +209,6 @@ def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, 
     the rotated builds without the float32 rows' code, PrefillKernel.wide_rows
     False) and float32 ones (the builds with it)."""
     warpgroups = build in ("producer", "wgmma")
-    monkeypatch.setattr(cuda_attention, "PREFILL_WGMMA", warpgroups)
-    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", build == "producer")
-    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER_MIN_KEYS", 0)   # these prompts are short
     hopper = cupy.cuda.Device().compute_capability == "90"
     if warpgroups and not (hopper and head_size <= 128):
         pytest.skip("the wgmma build serves sm_90 GPUs, head sizes up to 128")
@@ -210,7 +221,8 @@ def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, 
     query = (rng.standard_normal((batch.num_queries, 8, head_size)) * 2).astype(query_dtype)
     args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
     expected = reference.paged_attention(query, cache, **args)
-    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries,
+                            tuning=prefill_tuning(build))
     out = from_device(kc.paged_attention(device_query(query), device_view(cache), batch=planned), query_dtype)
     (plan,) = planned._backend_plans.values()
     assert isinstance(plan.kernel, PrefillKernel) == (head_size <= 128), plan.kernel
@@ -220,7 +232,7 @@ def test_prefill_every_head_size_and_kv_dtype(kv_dtype, model_dtype, head_size, 
 
 
 @pytest.mark.parametrize("build", ["producer", "wgmma", "mma.sync"])
-def test_prefill_bf16_rows_beyond_fp16_range(build, monkeypatch):
+def test_prefill_bf16_rows_beyond_fp16_range(build):
     """bf16 cache rows from 2^-40 to 2^40 (fp16 holds 2^-24 .. 65504): the wgmma
     builds convert each row to fp16 with a power of two of its own, so no value
     overflows to inf and no row's small values vanish, and tokens whose V rows
@@ -229,9 +241,6 @@ def test_prefill_bf16_rows_beyond_fp16_range(build, monkeypatch):
     warpgroups = build in ("producer", "wgmma")
     if warpgroups and cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma builds serve sm_90 GPUs")
-    monkeypatch.setattr(cuda_attention, "PREFILL_WGMMA", warpgroups)
-    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", build == "producer")
-    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER_MIN_KEYS", 0)
     bf16 = kc.formats.MODEL_DTYPES["bfloat16"]
     rng = np.random.default_rng(40)
     seq_lens, query_lens = [700, 300], [200, 300]
@@ -248,7 +257,8 @@ def test_prefill_bf16_rows_beyond_fp16_range(build, monkeypatch):
     query = (rng.standard_normal((batch.num_queries, 8, 128)) * 2.0 ** -38).astype(np.float32)
     args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
     expected = reference.paged_attention(query, cache, **args)
-    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries,
+                            tuning=prefill_tuning(build))
     out = from_device(kc.paged_attention(cupy.asarray(query), device_view(cache), batch=planned), np.float32)
     (plan,) = planned._backend_plans.values()
     assert plan.kernel.wgmma == warpgroups and plan.kernel.producer == (build == "producer"), plan.kernel
@@ -261,8 +271,8 @@ def test_prefill_bf16_rows_beyond_fp16_range(build, monkeypatch):
                                                 ("int8_per_token_head", 96), ("fp8_per_token_head", 64)])
 @pytest.mark.parametrize("query_dtype", (np.float16, np.float32))
 def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, query_dtype, options, monkeypatch):
-    """The wgmma build with its producer warpgroup (PREFILL_PRODUCER, taken from
-    PREFILL_PRODUCER_MIN_KEYS keys): a chunk of 256 tokens over 5744 cached and a
+    """The wgmma build with its producer warpgroup (taken from
+    Tuning.prefill_producer_min_keys keys): a chunk of 256 tokens over 5744 cached and a
     prompt of 700 in one batch, so that the producer's raw stages and decoded
     buffers wrap around many times (95 key tiles) and the consumers' output
     products of each tile meet the next tile's softmax; blockdiag caches, the
@@ -270,7 +280,6 @@ def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, query_dtype,
     rows' code; a float32 one: the build with it), and window, softcap or sinks."""
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the producer build is a wgmma build: sm_90 GPUs")
-    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", True)
     chosen = recorded_prefill_builds(monkeypatch)
     options = dict(options, sinks=np.zeros(1)) if options.get("sinks") else options   # random logits in run_case
     out, expected = run_case(kv_dtype=kv_dtype, head_size=head_size, seq_lens=(6000, 700), query_lens=(256, 700),
@@ -286,28 +295,26 @@ def test_prefill_producer_build_over_long_keys(kv_dtype, head_size, query_dtype,
 @pytest.mark.parametrize("kv_dtype,model_dtype", [(kv, np.float16) for kv in KV_DTYPES]
                          + [("auto", "bfloat16"), ("int8_per_token_head", "bfloat16")])
 def test_prefill_short_prompt_builds(kv_dtype, model_dtype, head_size, rotation, options, monkeypatch):
-    """Short prompts (PREFILL_SHORT_KEYS keys at most) take the build without the
-    producer at PREFILL_SHORT_WARPS warps, PREFILL_SHORT_TILE-token tiles and two
-    blocks a multiprocessor where those fit (not 16-bit rows at d = 128), and
+    """Short prompts (Tuning.prefill_short_keys keys at most) take the build without
+    the producer at prefill_short_warps warps, prefill_short_tile-token tiles and
+    two blocks a multiprocessor where those fit (not 16-bit rows at d = 128), and
     caches without a rotation a build without the rotation's code (KVC_ROTATED
-    0); rotated caches take the short build here too (PREFILL_SHORT_ROTATED
-    pinned on). A prompt at the limit, a chunk over cached keys, a short prompt
+    0); rotated caches take the short build too. A prompt at the limit, a chunk over cached keys, a short prompt
     and a decode row in one batch, the query in the cache's dtype (its rows by
     bulk copies; without a rotation, quantized caches take them straight into
     the products' layout: prefill.cuh's direct_query, a bf16 query scaled there)."""
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the short-prompt builds are wgmma builds: sm_90 GPUs")
-    monkeypatch.setattr(cuda_attention, "PREFILL_SHORT_ROTATED", True)
     chosen = recorded_prefill_builds(monkeypatch)
     model_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if model_dtype == "bfloat16" else np.dtype(model_dtype)
     options = dict(options, sinks=np.zeros(1)) if options.get("sinks") else options   # random logits in run_case
-    longest = cuda_attention.PREFILL_SHORT_KEYS
+    longest = DEFAULT_TUNING.prefill_short_keys
     out, expected = run_case(kv_dtype=kv_dtype, head_size=head_size, seq_lens=(longest, 200, 77, 9),
                              query_lens=(longest, 120, 77, 1), model_dtype=model_dtype, query_dtype=model_dtype,
                              rotation=rotation, seed=head_size, **options)
     sixteen_bit_128 = kv_dtype == "auto" and head_size > 96
     assert chosen and all(not kernel.producer and kernel.rotated == (rotation != "none")
-                          and (kernel.warps == cuda_attention.PREFILL_SHORT_WARPS) != sixteen_bit_128
+                          and (kernel.warps == DEFAULT_TUNING.prefill_short_warps) != sixteen_bit_128
                           for kernel in chosen), chosen
     check(f"prefill short {kv_dtype}/{model_dtype} {rotation} d={head_size} {options}", out, expected, model_dtype)
 
@@ -323,15 +330,13 @@ def test_prefill_direct_rows(model_dtype, query_dtype, rotation, direct, head_si
     """The producer build over auto caches copies the rows straight into the
     products' layout (prefill.cuh, DIRECT): bf16 rows as bf16 operands where the
     query is bf16 and not rotated (otherwise the decoding pass, which these cases
-    pin too), and fp16 rows under any query (PREFILL_DIRECT_F16, pinned on here). A
+    pin too), and fp16 rows under any query. A
     chunk of 256 tokens over 5744 cached and a prompt of 700: 95 key tiles
     through the buffers; d = 80 pads its rows to 96 dims with zero-filled
     copies. The direct tiles are swizzled: 128-byte columns at d = 128 and 64,
     64-byte ones at 96 (80) and 32 (a warp copying 2 and 8 rows at a time)."""
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the producer build is a wgmma build: sm_90 GPUs")
-    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", True)
-    monkeypatch.setattr(cuda_attention, "PREFILL_DIRECT_F16", True)
     taken = []   # the builds the calls take
     for_query = cuda_attention.PrefillKernel.for_query
 
@@ -360,7 +365,7 @@ def test_prefill_direct_rows(model_dtype, query_dtype, rotation, direct, head_si
                                                          ("fp8_per_token_head", "none", 64),
                                                          ("auto", "none", 36)])
 def test_prefill_query_and_output_rows_by_bulk_copies_or_not(kv_dtype, rotation, head_size, query_dtype, layout,
-                                                             build, monkeypatch):
+                                                             build):
     """The wgmma build without the producer brings 16-bit query rows into shared
     memory, and writes the output's, by bulk copies where every row's start and
     size are 16-byte multiples (prefill.cuh, bulk_rows), and by each lane's own
@@ -372,8 +377,6 @@ def test_prefill_query_and_output_rows_by_bulk_copies_or_not(kv_dtype, rotation,
     observable here: the layouts choose it, prefill.cuh's bulk_rows.)"""
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma builds serve sm_90 GPUs")
-    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER", build == "producer")
-    monkeypatch.setattr(cuda_attention, "PREFILL_PRODUCER_MIN_KEYS", 0)
     bf16 = query_dtype == "bfloat16"
     query_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if bf16 else np.dtype(query_dtype)
     rng = np.random.default_rng(head_size)
@@ -394,7 +397,8 @@ def test_prefill_query_and_output_rows_by_bulk_copies_or_not(kv_dtype, rotation,
     out_backing = cupy.full(int(np.prod(shape)) + 2, 0xFFFF, cupy.uint16)   # NaN bits in either dtype
     out_bits = out_backing[2 * off:2 * off + int(np.prod(shape))].reshape(shape)
     wrap = DeviceBf16 if bf16 else (lambda array: array.view(cupy.float16))
-    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries,
+                            tuning=prefill_tuning(build))
     kc.paged_attention(wrap(query_bits), device_view(cache), batch=planned, sinks=cupy.asarray(sinks),
                        out=wrap(out_bits))
     (plan,) = planned._backend_plans.values()
@@ -492,27 +496,26 @@ def test_out_of_range_ids_never_fault(query_lens):
                            validate=True)
 
 
-def _attention_plan(query, cache, args):
-    """The CUDA plan kc.paged_attention made for these arguments (it hangs on the batch)."""
+def _attention_plan(query, cache, args, tuning=DEFAULT_TUNING):
+    """The batch planned for these arguments and the CUDA plan kc.paged_attention made for it."""
     batch = kc.plan_batch(**args, block_size=cache.block_size, num_blocks=cache.num_blocks,
-                          num_query_tokens=query.shape[0])
+                          num_query_tokens=query.shape[0], tuning=tuning)
     kc.paged_attention(query, cache, batch=batch)
     (plan,) = batch._backend_plans.values()
-    return plan
+    return batch, plan
 
 
 @pytest.mark.parametrize("row_staging", [True, False], ids=["rows", "bulk"])
 @pytest.mark.parametrize("head_size,fits", [(64, True), (96, True), (128, True), (256, None), (80, False)])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("num_kv_heads,block_size", [(8, 16), (4, 32), (8, 128), (4, 8)])
-def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_staging, monkeypatch):
+def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_staging):
     """Quantized pages staged on sm_90 by row copies or bulk copies (a block
     serving every KV head, head sizes at a class boundary), with partial tiles,
     runs over 2-5 pages a tile, pages past a sequence's end and spec-decode
     rows; auto caches take row copies only (where a block serves 4k heads),
     head size 80 (padded to 96) keeps per-thread copies.
     fits: whether the pages take an mbarrier staging (None: either)."""
-    monkeypatch.setattr(cuda_attention, "ROW_STAGING", row_staging)
     rng = np.random.default_rng(head_size + num_kv_heads)
     batch = paged_batch(rng, [1, 37, 700, 2048], [1, 1, 3, 1], block_size)
     cache = host_cache(rng, batch, kv_dtype, head_size, num_kv_heads, block_size, np.float16, "default")
@@ -520,7 +523,8 @@ def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_s
     args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
     expected = reference.paged_attention(query, cache, **args)
     view = device_view(cache)
-    plan = _attention_plan(cupy.asarray(query), view, args)
+    planned, plan = _attention_plan(cupy.asarray(query), view, args,
+                                    replace(DEFAULT_TUNING, row_staging=row_staging))
     if fits is not None:
         capable = int(cupy.cuda.Device().compute_capability) >= 90
         rows = row_staging and plan.kernel.stages >= cuda_attention.ROW_STAGING_MIN_STAGES
@@ -531,7 +535,7 @@ def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_s
         else:
             expected_staging = staged if fits and capable else cuda_attention.STAGE_THREADS
         assert plan.kernel.staging == expected_staging, plan.kernel
-    out = from_device(kc.paged_attention(cupy.asarray(query), view, **args), np.float32)
+    out = from_device(kc.paged_attention(cupy.asarray(query), view, batch=planned), np.float32)
     check(f"{kv_dtype} d={head_size} Hk={num_kv_heads} B={block_size}", out, expected, np.float32)
 
 
@@ -544,7 +548,7 @@ def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_s
     ((128, 129, 192, 256), 16, "default", dict(one_split=True)),
 ], ids=["short", "block8", "block128-none", "32768", "window-softcap-sinks", "early-last-stage"])
 @pytest.mark.parametrize("head_size,stages", [(128, 3), (96, 3), (96, 2)])
-def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size, rotation, options, monkeypatch):
+def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size, rotation, options):
     """int4 decode on 64-token tiles (cuda_attention._long_tile), forced here for
     splits of any length (the planner takes them for splits of 1024 keys and more),
     at d = 128 and 96 (three 128-byte lines a token's row), and at d = 96 the two-block
@@ -553,12 +557,11 @@ def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size
     tokens, a window, softcap and sinks; and one split a sequence of 2, 3 and 4
     tiles, around the three-stage build's copies of its last stage before tile 0
     (kEarlyLast)."""
-    monkeypatch.setattr(cuda_attention, "DECODE_LONG_TILE_MIN_SPLIT_TOKENS", 0)
-    monkeypatch.setattr(cuda_attention, "DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS", 0 if stages == 2 else 1 << 30)
     options = dict(options)
     one_split = options.pop("one_split", False)
-    if one_split:   # a block a sequence: 2, 3 (one partial), 3 and 4 tiles
-        monkeypatch.setattr(cuda_attention, "choose_splits", lambda *args: 1)
+    tuning = replace(DEFAULT_TUNING, long_tile_min_split_tokens=0,
+                     two_block_min_split_tokens=0 if stages == 2 else NEVER,
+                     max_splits=1 if one_split else DEFAULT_TUNING.max_splits)   # one: 2, 3, 3 and 4 tiles a block
     rng = np.random.default_rng(len(seq_lens) + block_size)
     batch = paged_batch(rng, list(seq_lens), [1] * len(seq_lens), block_size)
     cache = host_cache(rng, batch, "int4_per_token_head", head_size, 8, block_size, np.float16, rotation)
@@ -569,7 +572,7 @@ def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size
     expected = reference.paged_attention(query, cache, **args, **options)
     view = device_view(cache)
     planned = kc.plan_batch(**args, block_size=block_size, num_blocks=batch.num_blocks,
-                            num_query_tokens=batch.num_queries)
+                            num_query_tokens=batch.num_queries, tuning=tuning)
     out = from_device(kc.paged_attention(cupy.asarray(query), view, batch=planned, **options), np.float32)
     (plan,) = planned._backend_plans.values()
     assert (plan.kernel.tile, plan.kernel.stages) == (cuda_attention.DECODE_LONG_TILE, stages), plan.kernel
@@ -577,7 +580,7 @@ def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size
     check(f"long tiles {seq_lens} B={block_size} {rotation} {options}", out, expected, np.float32)
 
 
-def _two_query_case(seed: int, seq_lens, query_lens) -> tuple:
+def _two_query_case(seed: int, seq_lens, query_lens, tuning=DEFAULT_TUNING) -> tuple:
     """An int4 cache (d = 128, 8 KV heads, block size 16, the default rotation) over
     `seq_lens`, two fp16 queries of 32 heads for `query_lens`, the batch's
     arguments, the cache's device view and its plan: the dependent-launch tests'
@@ -587,33 +590,36 @@ def _two_query_case(seed: int, seq_lens, query_lens) -> tuple:
     cache = host_cache(rng, batch, "int4_per_token_head", 128, 8, 16, np.float16, "default")
     queries = [(rng.standard_normal((batch.num_queries, 32, 128)) * 2).astype(np.float16) for _ in range(2)]
     args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
-    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries,
+                            tuning=tuning)
     return cache, queries, args, device_view(cache), planned
 
 
 @pytest.mark.parametrize("seq_lens,query_lens", [((32768, 8192, 300, 5000), (1, 1, 1, 1)),
                                                    ((8192, 6000), (256, 128))], ids=["decode", "chunked"])
-def test_dependent_merge_waits_for_the_splits(seq_lens, query_lens, monkeypatch):
+def test_dependent_merge_waits_for_the_splits(seq_lens, query_lens):
     """The merge launched as a programmatic dependent (sm_90: cuda_launch; its
     blocks may start while the attention grid runs) reads the splits' finished
     states: calls alternating between two queries on one plan (one workspace,
     so a merge that read too early would find the other query's states) equal
-    the plainly launched merge's bit for bit, and the oracle's."""
-    cache, queries, args, view, planned = _two_query_case(sum(seq_lens), seq_lens, query_lens)
-    device_queries = [cupy.asarray(query) for query in queries]
+    the plainly launched grids' (Tuning.dependent_launch off) bit for bit, and
+    the oracle's."""
+    plain_tuning = replace(DEFAULT_TUNING, dependent_launch=False)
 
-    def outputs(dependent: bool) -> list:
-        monkeypatch.setattr(cuda_attention, "DEPENDENT_MERGE", dependent)
+    def outputs(tuning) -> tuple:
+        cache, queries, args, view, planned = _two_query_case(sum(seq_lens), seq_lens, query_lens, tuning)
+        device_queries = [cupy.asarray(query) for query in queries]
         results = [cupy.asnumpy(kc.paged_attention(device_queries[call % 2], view, batch=planned))
                    for call in range(6)]
         cupy.cuda.get_current_stream().synchronize()
-        return results
+        (plan,) = planned._backend_plans.values()
+        return results, plan, cache, queries, args
 
-    plain, dependent = outputs(False), outputs(True)
-    (plan,) = planned._backend_plans.values()
+    plain, plain_plan, *_ = outputs(plain_tuning)
+    dependent, plan, cache, queries, args = outputs(DEFAULT_TUNING)
     assert plan.num_splits > 1, plan
     capability = int(cupy.cuda.Device().compute_capability)
-    assert plan.dependent_merge == (capability >= 90)
+    assert plan.dependent_launch == (capability >= 90) and not plain_plan.dependent_launch
     for call, (want, got) in enumerate(zip(plain, dependent)):
         assert np.array_equal(want, got), f"call {call}: the dependent merge's output differs"
     for which, query in enumerate(queries):
@@ -647,8 +653,8 @@ extern "C" __global__ void late_copy(const unsigned short* src, unsigned short* 
 @pytest.mark.parametrize("seq_lens,query_lens", [((8192, 300, 5000), (1, 1, 1)), ((700, 300), (700, 300))],
                          ids=["decode-merged", "prefill-direct"])
 def test_dependent_attention_waits_for_the_kernel_before_it(seq_lens, query_lens):
-    """The attention kernel launched as a programmatic dependent (sm_90:
-    DEPENDENT_ATTENTION) reads nothing before the kernel ahead of it is done:
+    """The attention kernel launched as a programmatic dependent (sm_90,
+    Tuning.dependent_launch) reads nothing before the kernel ahead of it is done:
     the query rows written late by a kernel that lets its dependents launch at
     once (late_copy, 200 us after its start) are the ones attended, in a split
     decode (its merge then lets the next call in) and in a one-launch prefill."""
@@ -665,39 +671,11 @@ def test_dependent_attention_waits_for_the_kernel_before_it(seq_lens, query_lens
     cupy.cuda.get_current_stream().synchronize()
     (plan,) = planned._backend_plans.values()
     capability = int(cupy.cuda.Device().compute_capability)
-    assert plan.dependent_merge == (capability >= 90) and cuda_attention.DEPENDENT_ATTENTION
+    assert plan.dependent_launch == (capability >= 90)
     assert plan.num_splits > 1 or query_lens[0] > 1, plan   # decode: split, so merged
     expected = [reference.paged_attention(query, cache, **args) for query in queries]
     for call, got in enumerate(outputs):
         check(f"call {call}", got.astype(np.float64), expected[call % 2], np.float16)
-
-
-@pytest.mark.parametrize("kv_dtype,seq_lens,query_lens", [
-    ("int4_per_token_head", (8192, 300, 5000), (1, 1, 1)),
-    ("fp8_per_token_head", (700, 2000), (200, 3)),
-    ("auto", (1500, 129), (1, 129))], ids=["decode", "chunked", "mixed"])
-def test_packed_launch_equals_cupys(kv_dtype, seq_lens, query_lens, monkeypatch):
-    """The attention kernel launched with its parameters packed into one buffer
-    (cuda_launch, ATTENTION_SIGNATURE) gets the same values as through CuPy's
-    per-argument launch: the outputs equal bit for bit, window, softcap and sinks
-    on, in decode (split, merged), chunked prefill and a mixed batch."""
-    rng = np.random.default_rng(len(seq_lens) + sum(query_lens))
-    batch = paged_batch(rng, list(seq_lens), list(query_lens), 16)
-    cache = host_cache(rng, batch, kv_dtype, 96, 8, 16, np.float16, "default")
-    query = cupy.asarray((rng.standard_normal((batch.num_queries, 32, 96)) * 2).astype(np.float16))
-    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
-    options = dict(sliding_window=1000, softcap=30.0, sinks=rng.standard_normal(32).astype(np.float32))
-    view = device_view(cache)
-    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
-    outputs = {}
-    for packed in (False, True, False):
-        monkeypatch.setattr(cuda_attention, "PACKED_LAUNCH", packed)
-        outputs.setdefault(packed, []).append(cupy.asnumpy(kc.paged_attention(query, view, batch=planned,
-                                                                               **options)))
-    assert np.array_equal(outputs[False][0], outputs[False][1])   # the kernel is deterministic
-    assert np.array_equal(outputs[True][0], outputs[False][0]), "the packed launch's output differs"
-    expected = reference.paged_attention(cupy.asnumpy(query), cache, **args, **options)
-    check(f"packed launch {kv_dtype}", outputs[True][0].astype(np.float64), expected, np.float16)
 
 
 def test_one_batch_plan_serves_caches_of_every_format():
@@ -741,7 +719,7 @@ def test_auto_cache_allocated_on_the_gpu(model_dtype):
 @pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "int8_per_token_head", "auto"])
 @pytest.mark.parametrize("rotation,head_size", [("blockdiag", 128), ("blockdiag", 96), ("blockdiag", 64),
                                                 ("kron", 80), ("none", 64), ("blockdiag", 40)])
-def test_prefill_rotates_its_query_and_output(rotation, head_size, kv_dtype, query_dtype, shape, monkeypatch):
+def test_prefill_rotates_its_query_and_output(rotation, head_size, kv_dtype, query_dtype, shape):
     """prefill.cuh takes the caller's query and rotates it itself (an mma with the
     rotation's fragments, and for blocks of 32 dims and up butterflies across
     16-dim groups: 3 stages at 128, 2 at 64, 1 at 96); with one split ("prompts",
@@ -750,8 +728,6 @@ def test_prefill_rotates_its_query_and_output(rotation, head_size, kv_dtype, que
     rotation's blocks are narrower than a fragment (d = 40: blocks of 8), which
     take the merge and the rotate kernel like several splits ("chunk") do. Sinks
     throughout."""
-    if shape == "prompts":
-        monkeypatch.setattr(cuda_attention, "choose_prefill_splits", lambda *args: 1)
     query_dtype = kc.formats.MODEL_DTYPES["bfloat16"] if query_dtype == "bfloat16" else np.dtype(query_dtype)
     seq_lens, query_lens = ((200, 77), (200, 77)) if shape == "prompts" else ((4000, 600), (256, 64))
     rng = np.random.default_rng(head_size)
@@ -761,7 +737,9 @@ def test_prefill_rotates_its_query_and_output(rotation, head_size, kv_dtype, que
     sinks = rng.standard_normal(8).astype(np.float32)
     args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
     expected = reference.paged_attention(query, cache, **args, sinks=sinks)
-    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries)
+    tuning = replace(DEFAULT_TUNING, max_splits=1) if shape == "prompts" else DEFAULT_TUNING
+    planned = kc.plan_batch(**args, block_size=16, num_blocks=batch.num_blocks, num_query_tokens=batch.num_queries,
+                            tuning=tuning)
     out = from_device(kc.paged_attention(device_query(query), device_view(cache), batch=planned,
                                          sinks=cupy.asarray(sinks)), query_dtype)
     (plan,) = planned._backend_plans.values()

@@ -38,20 +38,20 @@ def test_a_few_long_blocks_are_split():
 # --- which prefill build (cuda_attention._prefill_kernel) ---------------------
 
 QUANTIZED = (ca.KV_INT4, ca.KV_INT8, ca.KV_FP8)
+TUNING = ca.DEFAULT_TUNING
 
 
-@pytest.fixture
-def producer_on(monkeypatch):
-    monkeypatch.setattr(ca, "PREFILL_PRODUCER", True)
+def prefill_kernel(kv, head_pad, chunk, capability, longest, rotated, tuning=TUNING):
+    return ca._prefill_kernel(kv, head_pad, chunk, capability, longest, rotated, tuning)
 
 
 @pytest.mark.parametrize("kv", QUANTIZED)
 @pytest.mark.parametrize("head_pad", (32, 96, 128))
 @pytest.mark.parametrize("rotated", (True, False))
-def test_long_prompts_take_the_producer_warpgroup(kv, head_pad, rotated, producer_on):
-    """From PREFILL_PRODUCER_MIN_KEYS keys: 12 warps, of which the last warpgroup stages
-    and decodes, so a block holds 128 query rows (8 consumer warps of 16)."""
-    kernel = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_PRODUCER_MIN_KEYS, rotated)
+def test_long_prompts_take_the_producer_warpgroup(kv, head_pad, rotated):
+    """From Tuning.prefill_producer_min_keys keys: 12 warps, of which the last
+    warpgroup stages and decodes, so a block holds 128 query rows (8 consumer warps of 16)."""
+    kernel = prefill_kernel(kv, head_pad, 16, 90, TUNING.prefill_producer_min_keys, rotated)
     assert (kernel.wgmma, kernel.producer, kernel.warps, kernel.rows_per_tile) == (True, True, 12, 128)
     assert kernel.defines["KVC_PRODUCER"] == 1
     assert kernel.rotated and "KVC_ROTATED" not in kernel.defines   # one producer build for either cache
@@ -59,8 +59,8 @@ def test_long_prompts_take_the_producer_warpgroup(kv, head_pad, rotated, produce
 
 
 @pytest.mark.parametrize("kv", QUANTIZED)
-def test_shorter_prompts_keep_three_warpgroups_of_rows(kv, producer_on):
-    kernel = ca._prefill_kernel(kv, 128, 16, 90, ca.producer_min_keys(kv, 16, True) - 1, True)
+def test_shorter_prompts_keep_three_warpgroups_of_rows(kv):
+    kernel = prefill_kernel(kv, 128, 16, 90, ca.producer_min_keys(kv, 16, True, TUNING) - 1, True)
     assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile, kernel.rotated) == (True, False, 192, True)
     assert "KVC_PRODUCER" not in kernel.defines and "KVC_ROTATED" not in kernel.defines
 
@@ -68,33 +68,32 @@ def test_shorter_prompts_keep_three_warpgroups_of_rows(kv, producer_on):
 @pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
 @pytest.mark.parametrize("chunk", (16, 8))
 @pytest.mark.parametrize("rotated", (True, False))
-def test_rotated_quantized_caches_take_the_producer_from_fewer_keys(kv, chunk, rotated, producer_on):
+def test_rotated_quantized_caches_take_the_producer_from_fewer_keys(kv, chunk, rotated):
     """Quantized caches with a rotation and 16-byte copies: the producer build from
-    PREFILL_PRODUCER_MIN_KEYS_ROTATED keys; the others from PREFILL_PRODUCER_MIN_KEYS."""
+    prefill_producer_min_keys_rotated keys; the others from prefill_producer_min_keys."""
     fewer = kv in QUANTIZED and rotated and chunk == 16
-    least = ca.PREFILL_PRODUCER_MIN_KEYS_ROTATED if fewer else ca.PREFILL_PRODUCER_MIN_KEYS
-    assert ca.producer_min_keys(kv, chunk, rotated) == least
-    assert ca.PREFILL_SHORT_KEYS < ca.PREFILL_PRODUCER_MIN_KEYS_ROTATED < ca.PREFILL_PRODUCER_MIN_KEYS
-    assert ca._prefill_kernel(kv, 128, chunk, 90, least, rotated).producer
-    assert not ca._prefill_kernel(kv, 128, chunk, 90, least - 1, rotated).producer
+    least = TUNING.prefill_producer_min_keys_rotated if fewer else TUNING.prefill_producer_min_keys
+    assert ca.producer_min_keys(kv, chunk, rotated, TUNING) == least
+    assert TUNING.prefill_short_keys < TUNING.prefill_producer_min_keys_rotated < TUNING.prefill_producer_min_keys
+    assert prefill_kernel(kv, 128, chunk, 90, least, rotated).producer
+    assert not prefill_kernel(kv, 128, chunk, 90, least - 1, rotated).producer
 
 
 F32, F16, BF16 = np.dtype(np.float32), np.dtype(np.float16), ca.formats.MODEL_DTYPES["bfloat16"]
 
 
 @pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
-@pytest.mark.parametrize("keys", (ca.PREFILL_SHORT_KEYS, ca.PREFILL_PRODUCER_MIN_KEYS))
+@pytest.mark.parametrize("keys", (TUNING.prefill_short_keys, TUNING.prefill_producer_min_keys))
 @pytest.mark.parametrize("query_dtype,out_dtype", [(F16, F16), (BF16, BF16), (F16, BF16), (F32, BF16),
                                                    (BF16, F32), (F32, F32)])
-def test_16_bit_rows_take_a_rotated_build_without_the_float32_rows_code(kv, keys, query_dtype, out_dtype,
-                                                                        producer_on):
+def test_16_bit_rows_take_a_rotated_build_without_the_float32_rows_code(kv, keys, query_dtype, out_dtype):
     """A rotated build serves a call whose query and output are both 16-bit without
     the float32 rows' two-term rotations (wide_rows False, KVC_WIDE_ROWS 0); a
     float32 query or output takes the build with them, and builds without the
     rotation's code have no such code to leave out."""
     narrow = query_dtype != F32 and out_dtype != F32
     for rotated in (True, False):
-        planned = ca._prefill_kernel(kv, 128, 16, 90, keys, rotated)
+        planned = prefill_kernel(kv, 128, 16, 90, keys, rotated)
         kernel = planned.for_query(query_dtype, None, out_dtype)
         # (the producer build keeps the rotation's code for either cache)
         assert kernel.wide_rows == (not (narrow and planned.rotated))
@@ -105,58 +104,54 @@ def test_16_bit_rows_take_a_rotated_build_without_the_float32_rows_code(kv, keys
 
 @pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
 @pytest.mark.parametrize("head_pad", (32, 64, 96, 128))
-def test_caches_without_a_rotation_take_a_build_without_its_code(kv, head_pad, producer_on):
-    kernel = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_PRODUCER_MIN_KEYS - 1, False)
+def test_caches_without_a_rotation_take_a_build_without_its_code(kv, head_pad):
+    kernel = prefill_kernel(kv, head_pad, 16, 90, TUNING.prefill_producer_min_keys - 1, False)
     assert (kernel.producer, kernel.rotated, kernel.defines["KVC_ROTATED"]) == (False, False, 0)
 
 
 @pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
 @pytest.mark.parametrize("head_pad", (32, 64, 96, 128))
-def test_short_prompts_take_the_short_build_where_two_blocks_fit(kv, head_pad, producer_on, monkeypatch):
-    """Up to PREFILL_SHORT_KEYS keys, unrotated: PREFILL_SHORT_WARPS warps and
-    PREFILL_SHORT_TILE-token tiles, PREFILL_SHORT_BLOCKS blocks a multiprocessor,
+@pytest.mark.parametrize("rotated", (True, False))
+def test_short_prompts_take_the_short_build_where_two_blocks_fit(kv, head_pad, rotated):
+    """Up to prefill_short_keys keys: prefill_short_warps warps and
+    prefill_short_tile-token tiles, prefill_short_blocks blocks a multiprocessor,
     declared in its launch bounds; where they do not fit (16-bit rows at d = 128),
-    the 12-warp build. Rotated caches keep it unless PREFILL_SHORT_ROTATED."""
-    monkeypatch.setattr(ca, "PREFILL_SHORT_ROTATED", False)
-    short = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_SHORT_KEYS, False)
-    longer = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_SHORT_KEYS + 1, False)
-    rotated = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_SHORT_KEYS, True)
+    the 12-warp build."""
+    short = prefill_kernel(kv, head_pad, 16, 90, TUNING.prefill_short_keys, rotated)
+    longer = prefill_kernel(kv, head_pad, 16, 90, TUNING.prefill_short_keys + 1, rotated)
     assert (longer.warps, longer.tile, longer.blocks_per_sm) == (ca.PREFILL_WGMMA_WARPS, ca.PREFILL_TILE, 1)
-    assert (rotated.warps, rotated.tile) == (ca.PREFILL_WGMMA_WARPS, ca.PREFILL_TILE)
-    candidate = replace(short, warps=ca.PREFILL_SHORT_WARPS, tile=ca.PREFILL_SHORT_TILE)
+    assert short.rotated == longer.rotated == rotated
+    candidate = replace(short, warps=TUNING.prefill_short_warps, tile=TUNING.prefill_short_tile)
     fits = 2 * candidate.shared_bytes <= ca.SHARED_BYTES_PER_SM
     if fits:
-        assert (short.warps, short.tile, short.blocks_per_sm) == (ca.PREFILL_SHORT_WARPS, ca.PREFILL_SHORT_TILE, 2)
+        assert (short.warps, short.tile, short.blocks_per_sm) == (TUNING.prefill_short_warps,
+                                                                  TUNING.prefill_short_tile, 2)
         assert short.defines["KVC_MIN_BLOCKS"] == 2
     else:
         assert short == longer
     assert fits == (kv not in (ca.KV_F16, ca.KV_BF16) or head_pad < 128)
-    monkeypatch.setattr(ca, "PREFILL_SHORT_ROTATED", True)
-    rotated = ca._prefill_kernel(kv, head_pad, 16, 90, ca.PREFILL_SHORT_KEYS, True)
-    assert rotated.rotated and (rotated.warps == ca.PREFILL_SHORT_WARPS) == fits
 
 
 @pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
 @pytest.mark.parametrize("capability", (80, 89, 90))
-def test_the_producer_only_serves_the_wgmma_build(kv, capability, producer_on):
+def test_the_producer_only_serves_the_wgmma_build(kv, capability):
     """GPUs without wgmma take the mma.sync build at any length; on sm_90 every
     KV dtype takes the wgmma build, auto caches too."""
-    kernel = ca._prefill_kernel(kv, 128, 16, capability, 1 << 20, True)
+    kernel = prefill_kernel(kv, 128, 16, capability, 1 << 20, True)
     wgmma = capability == 90
     assert (kernel.wgmma, kernel.producer) == (wgmma, wgmma)
     if not wgmma:
         assert kernel.rows_per_tile == 16 * kernel.warps
 
 
-@pytest.mark.parametrize("kv", (ca.KV_F16, ca.KV_BF16))
-def test_auto_caches_keep_the_mma_sync_build_without_the_switch(kv, monkeypatch):
-    monkeypatch.setattr(ca, "PREFILL_WGMMA_AUTO", False)
-    kernel = ca._prefill_kernel(kv, 128, 16, 90, 1 << 20, True)
+@pytest.mark.parametrize("kv", QUANTIZED + (ca.KV_F16, ca.KV_BF16))
+def test_a_tuning_without_wgmma_takes_the_mma_sync_build_on_sm_90(kv):
+    kernel = prefill_kernel(kv, 128, 16, 90, 1 << 20, True, replace(TUNING, prefill_wgmma=False))
     assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile) == (False, False, 16 * kernel.warps)
 
 
-@pytest.mark.parametrize("longest", (ca.PREFILL_SHORT_KEYS + 1, 1 << 20))
-def test_without_the_switch_no_length_takes_the_producer(longest, monkeypatch):
-    monkeypatch.setattr(ca, "PREFILL_PRODUCER", False)
-    kernel = ca._prefill_kernel(ca.KV_INT4, 128, 16, 90, longest, True)
+@pytest.mark.parametrize("longest", (TUNING.prefill_short_keys + 1, 1 << 20))
+def test_a_tuning_whose_producer_needs_more_keys_keeps_three_warpgroups(longest):
+    never = replace(TUNING, prefill_producer_min_keys=1 << 30, prefill_producer_min_keys_rotated=1 << 30)
+    kernel = prefill_kernel(ca.KV_INT4, 128, 16, 90, longest, True, never)
     assert (kernel.wgmma, kernel.producer, kernel.rows_per_tile) == (True, False, 192)

@@ -6,23 +6,10 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
   "dtypes":  KV dtypes to time (default ["int4_per_token_head"]; "auto": an fp16 cache)
   "src":     a folder of kernel sources to compile instead of kernels_cu/
              (KVCUPY_KERNEL_DIR), e.g. an older version's, for a side-by-side
-  "defines": extra -D defines (e.g. {"KVC_STAGING_ONLY": 1}: copies, no math;
-             {"KVC_COMPUTE_ONLY": 1}: math on the first tiles, no more copies)
-  "tile", "stages", "splits", "staging", "heads": planner choices forced to these values
-             ("stages" also sets the planner's default STAGES; "staging":
-             cuda_attention.STAGE_THREADS / STAGE_BULK / STAGE_ROWS = 0 / 1 / 2;
-             "heads": KV heads, i.e. warps, a block; bulk copies need every KV head
-             in one block)
-  "long_split_tokens": the planner's LONG_SPLIT_TOKENS (splits shorter than this
-             take 16-token tiles, whatever "tile" says)
+  "tuning":  planner tunables, {field: value} of cuda_attention.Tuning (e.g.
+             {"row_staging": false}, {"dependent_launch": false}, {"max_splits": 8})
   "nvrtc_options": extra NVRTC options for every build (jit.EXTRA_OPTIONS, in place of
-             $KVCUPY_NVRTC_OPTIONS's), e.g. ["-Ofc=mid"]
-  "dependent_merge": false launches the merge plainly, not as a programmatic
-             dependent of the attention kernel (cuda_attention.DEPENDENT_MERGE)
-  "dependent_attention": false launches the attention kernel plainly, not as a
-             programmatic dependent of the kernel before it
-             (cuda_attention.DEPENDENT_ATTENTION; kernel sources from before
-             its wait, given by "src", must take false)
+             $KVCUPY_NVRTC_OPTIONS's), e.g. ["-Ofc=mid"] or ["-DKVC_STAGING_ONLY=1"]
 SHAPE is a JSON object overriding the default decode shape: batch 32, context
 32768, d 128, 8 KV / 32 query heads, block size 16, rotation "none" (pages in
 random order, random codes and scales).
@@ -56,38 +43,12 @@ DEFAULT_SHAPE = dict(batch=32, context=32768, head_size=128, kv_heads=8, query_h
                      rotation="none")
 
 
-# Variant keys that set one of cuda_attention's planner constants.
-CONSTANT_KEYS = {"stages": "STAGES", "dependent_merge": "DEPENDENT_MERGE",
-                 "dependent_attention": "DEPENDENT_ATTENTION", "long_split_tokens": "LONG_SPLIT_TOKENS"}
-
-
 @contextlib.contextmanager
-def overrides(variant: dict):
-    """The planner's choices and the kernel's defines forced as the variant says, restored after."""
-    saved = (cuda_attention.Kernel.defines, cuda_attention._choose_kernel, cuda_attention.choose_splits)
-    saved_constants = {name: getattr(cuda_attention, name) for name in CONSTANT_KEYS.values()}
+def sources_and_options(variant: dict):
+    """The variant's kernel sources and NVRTC options in force, restored after."""
     saved_source = os.environ.get(jit.SOURCE_DIR_ENV)
     saved_options = jit.EXTRA_OPTIONS
     jit.EXTRA_OPTIONS = tuple(variant.get("nvrtc_options", saved_options))
-    plain_defines, plain_choose, plain_splits = saved[0].fget, saved[1], saved[2]
-
-    def defines(kernel):
-        return {**plain_defines(kernel), **variant.get("defines", {})}
-
-    def choose(cache, kv, rows, capability):
-        kernel = plain_choose(cache, kv, rows, capability)
-        forced = {key: variant[key] for key in ("tile", "staging", "stages", "heads") if key in variant}
-        return replace(kernel, **forced)
-
-    def splits(base_blocks, slots, most):
-        return variant.get("splits") or plain_splits(base_blocks, slots, most)
-
-    cuda_attention.Kernel.defines = property(defines)
-    cuda_attention._choose_kernel = choose
-    cuda_attention.choose_splits = splits
-    for key, name in CONSTANT_KEYS.items():
-        if key in variant:
-            setattr(cuda_attention, name, variant[key])
     if variant.get("src"):
         os.environ[jit.SOURCE_DIR_ENV] = os.path.abspath(variant["src"])
     else:
@@ -95,14 +56,15 @@ def overrides(variant: dict):
     try:
         yield
     finally:
-        cuda_attention.Kernel.defines, cuda_attention._choose_kernel, cuda_attention.choose_splits = saved
         jit.EXTRA_OPTIONS = saved_options
-        for name, value in saved_constants.items():
-            setattr(cuda_attention, name, value)
         if saved_source is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
         else:
             os.environ[jit.SOURCE_DIR_ENV] = saved_source
+
+
+def tuning_of(variant: dict) -> cuda_attention.Tuning:
+    return replace(cuda_attention.DEFAULT_TUNING, **variant.get("tuning", {}))
 
 
 def decode_case(kv_dtype: str, shape: dict, rng) -> dict:
@@ -126,10 +88,10 @@ def decode_case(kv_dtype: str, shape: dict, rng) -> dict:
                 bytes=key.nbytes + value.nbytes + 2 * scales.nbytes)
 
 
-def time_case(case: dict, shape: dict) -> tuple[float, object]:
+def time_case(case: dict, shape: dict, tuning) -> tuple[float, object]:
     """Median milliseconds of one call, and the attention plan it ran."""
     batch = kc.plan_batch(block_table=case["table"], seq_lens=np.full(shape["batch"], shape["context"], np.int32),
-                          block_size=shape["block_size"], num_blocks=case["pages"])
+                          block_size=shape["block_size"], num_blocks=case["pages"], tuning=tuning)
     out = cupy.empty_like(case["query"])
 
     def call():
@@ -151,8 +113,8 @@ def main() -> None:
                 cases[kv_dtype] = decode_case(kv_dtype, shape, rng)
             record = dict(variant=variant["name"], dtype=kv_dtype)
             try:
-                with overrides(variant):
-                    ms, plan = time_case(cases[kv_dtype], shape)
+                with sources_and_options(variant):
+                    ms, plan = time_case(cases[kv_dtype], shape, tuning_of(variant))
                 record.update(ms=ms, tb_per_s=cases[kv_dtype]["bytes"] / ms / 1e9, kernel=str(plan.kernel),
                               splits=plan.num_splits)
             except Exception as error:   # a variant that does not compile or launch is reported, not fatal

@@ -4,8 +4,7 @@ time goes: device and stream switches, torch tensors through DLPack or straight
 from their pointers, CuPy kernel launches by argument count (12, the merge's,
 also as a programmatic dependent through cuda_launch; 56, about the attention
 kernel's 54, also packed through cuda_launch), and one decode call
-(kvcupy.paged_attention: its merge launched plainly and as a dependent, its
-attention kernel through CuPy and packed).
+(kvcupy.paged_attention, its grids launched plainly and as programmatic dependents).
 
     PYTHONPATH=. python3 tools/host_primitives.py
 
@@ -19,6 +18,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import cupy
 import numpy as np
@@ -142,17 +142,16 @@ def main() -> None:
 
     num_seqs, seq_len, pages = 32, 1024, 64
     table = np.arange(num_seqs * pages, dtype=np.int32).reshape(num_seqs, pages)
-    batch = kc.plan_batch(block_table=table, seq_lens=np.full(num_seqs, seq_len, np.int32), block_size=16,
-                          num_blocks=num_seqs * pages, num_query_tokens=num_seqs)
     cache = kc.allocate_cache(num_seqs * pages, 16, 8, 128, kv_dtype="int4_per_token_head", device="cuda")
     query = cupy.random.standard_normal((num_seqs, 32, 128), dtype=cupy.float32).astype(cupy.float16)
     out = cupy.empty_like(query)
-    kc.paged_attention(query, cache, batch=batch, out=out)
-    for dependent, packed in ((False, False), (True, False), (True, True), (False, True)):
-        cuda_attention.DEPENDENT_MERGE, cuda_attention.PACKED_LAUNCH = dependent, packed
+    for dependent in (False, True):
+        tuning = replace(cuda_attention.DEFAULT_TUNING, dependent_launch=dependent)
+        batch = kc.plan_batch(block_table=table, seq_lens=np.full(num_seqs, seq_len, np.int32), block_size=16,
+                              num_blocks=num_seqs * pages, num_query_tokens=num_seqs, tuning=tuning)
+        kc.paged_attention(query, cache, batch=batch, out=out)
         hold_for(2.0)
-        report(f"kvcupy.paged_attention, CuPy fp16, decode 32 x 1024 int4, dependent merge {dependent}, "
-               f"packed attention launch {packed}",
+        report(f"kvcupy.paged_attention, CuPy fp16, decode 32 x 1024 int4, dependent launches {dependent}",
                timed(lambda: kc.paged_attention(query, cache, batch=batch, out=out), 300))
         cupy.cuda.get_current_stream().synchronize()
 

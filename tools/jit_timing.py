@@ -29,13 +29,14 @@ import time
 def _kernels() -> dict:
     from dataclasses import replace
 
-    from kvcupy.backends.cuda_attention import KV_INT4, PREFILL_SHORT_KEYS, STAGE_ROWS, Kernel, PrefillKernel, \
+    from kvcupy.backends.cuda_attention import DEFAULT_TUNING, KV_INT4, STAGE_ROWS, Kernel, PrefillKernel, \
         _prefill_kernel
 
     builds = {"prefill_producer": PrefillKernel.planned(KV_INT4, 128, 16, True, producer=True),
               "prefill_wgmma": PrefillKernel.planned(KV_INT4, 128, 16, True),
               "prefill_mma_sync": PrefillKernel.planned(KV_INT4, 128, 16, False),
-              "prefill_short": _prefill_kernel(KV_INT4, 128, 16, 90, PREFILL_SHORT_KEYS, True)}
+              "prefill_short": _prefill_kernel(KV_INT4, 128, 16, 90, DEFAULT_TUNING.prefill_short_keys, True,
+                                               DEFAULT_TUNING)}
     # Each as a call with a float32 query or output takes it, and (wide_rows False)
     # as one whose query and output are 16-bit.
     builds.update({f"{name}_16bit_rows": replace(kernel, wide_rows=False) for name, kernel in list(builds.items())})

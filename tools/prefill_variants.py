@@ -7,37 +7,13 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
                 cache of bf16 rows under a bf16 query (torch tensors; "auto" is fp16 rows
                 under an fp16 query)
   "src":        a folder of kernel sources to compile instead of kernels_cu/ (KVCUPY_KERNEL_DIR)
-  "tile", "warps", "min_blocks": the prefill kernel's tokens a tile, warps a block and
-                __launch_bounds__ minimum blocks, forced (cuda_attention.PREFILL_*; not the
-                short-prompt build's, which "short_keys": 0 turns off)
-  "defines":    extra -D defines
-  "wgmma":      false: the mma.sync build on sm_90 too (cuda_attention.PREFILL_WGMMA)
-  "producer":   the wgmma build with or without its producer warpgroup (cuda_attention.PREFILL_PRODUCER)
-  "direct":     false: 16-bit rows decoded in the producer build, not copied into
-                the products' layout (cuda_attention.PREFILL_DIRECT)
-  "direct_stages": the direct builds' tiles in flight at most (cuda_attention.PREFILL_DIRECT_STAGES)
-  "direct_f16": fp16 rows copied into the products' layout too (cuda_attention.PREFILL_DIRECT_F16)
-  "swizzle":    false: direct tiles in the core matrices, not the swizzled
-                layouts (cuda_attention.PREFILL_SWIZZLE)
-  "producer_min_keys": keys a sequence from which the planner takes the producer build
-                (cuda_attention.PREFILL_PRODUCER_MIN_KEYS)
-  "unrotated":  false: caches without a rotation keep the build with its code
-                (cuda_attention.PREFILL_UNROTATED)
-  "narrow_rows": false: 16-bit queries and outputs keep the rotated build with the
-                float32 rows' code (cuda_attention.PREFILL_NARROW_ROWS)
-  "short_keys", "short_rotated": the short-prompt build's longest sequence and whether
-                rotated caches take it (cuda_attention.PREFILL_SHORT_KEYS, PREFILL_SHORT_ROTATED)
-  "short_warps", "short_tile", "short_blocks": the short-prompt build's warps, tile and
-                blocks a multiprocessor (cuda_attention.PREFILL_SHORT_WARPS, _TILE, _BLOCKS)
+  "tuning":     planner tunables, {field: value} of cuda_attention.Tuning (e.g.
+                {"prefill_wgmma": false}, {"prefill_producer_min_keys": 0},
+                {"prefill_short_keys": 0}, {"max_splits": 1}, {"prefill_split_gain": 0.8})
   "rotation":   the caches' rotation kind (default "none"; the bench's caches use "blockdiag")
-  "min_rows":   query rows a sequence (per KV head) from which the planner takes the
-                prefill kernel (cuda_attention.PREFILL_MIN_ROWS; fewer: the decode kernel's row tiles)
-  "splits":     the keys' splits a sequence, forced (else choose_prefill_splits decides)
-  "split_gain": choose_prefill_splits' PREFILL_SPLIT_GAIN (the modelled gain more splits must promise)
+  "head_size":  default 128
   "nvrtc_options": extra NVRTC options for every build (jit.EXTRA_OPTIONS, in place of
                 $KVCUPY_NVRTC_OPTIONS's), e.g. ["-Ofc=mid"]
-  "dependent_attention": false: the attention kernel launched plainly, not as a programmatic
-                dependent (cuda_attention.DEPENDENT_ATTENTION; older "src" kernels must take false)
 SHAPES is a JSON list of [sequences, context, new tokens] (default [[4, 8192, 8192]]:
 the prefill target's causal prompt; [4, 32768, 2048] is its chunked prefill, 2048
 new tokens over 30720 cached). 32 query / 8 KV heads, d = 128 (or "head_size"
@@ -58,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 
 import cupy
 import numpy as np
@@ -98,10 +75,10 @@ def make_case(kv_dtype: str, sequences: int, context: int, new_tokens: int, head
                 flops=4 * head_size * QUERY_HEADS * attended)
 
 
-def time_case(case: dict) -> tuple[float, object]:
+def time_case(case: dict, tuning) -> tuple[float, object]:
     batch = kc.plan_batch(block_table=case["table"], seq_lens=np.full(case["sequences"], case["context"], np.int32),
                           cu_seqlens_q=np.arange(case["sequences"] + 1, dtype=np.int32) * case["new_tokens"],
-                          block_size=BLOCK_SIZE, num_blocks=case["pages"])
+                          block_size=BLOCK_SIZE, num_blocks=case["pages"], tuning=tuning)
     query = case["query"]
     out = cupy.empty_like(query) if isinstance(query, cupy.ndarray) else query.new_empty(query.shape)
 
@@ -113,43 +90,16 @@ def time_case(case: dict) -> tuple[float, object]:
     return ms, plan
 
 
-# Variant keys that set one of cuda_attention's planner constants.
-CONSTANT_KEYS = {"split_gain": "PREFILL_SPLIT_GAIN", "min_rows": "PREFILL_MIN_ROWS", "tile": "PREFILL_TILE",
-                 "min_blocks": "PREFILL_MIN_BLOCKS", "wgmma": "PREFILL_WGMMA", "producer": "PREFILL_PRODUCER",
-                 "direct": "PREFILL_DIRECT", "direct_stages": "PREFILL_DIRECT_STAGES",
-                 "direct_f16": "PREFILL_DIRECT_F16", "swizzle": "PREFILL_SWIZZLE",
-                 "producer_min_keys": "PREFILL_PRODUCER_MIN_KEYS", "unrotated": "PREFILL_UNROTATED",
-                 "narrow_rows": "PREFILL_NARROW_ROWS",
-                 "short_keys": "PREFILL_SHORT_KEYS", "short_rotated": "PREFILL_SHORT_ROTATED",
-                 "short_warps": "PREFILL_SHORT_WARPS", "short_tile": "PREFILL_SHORT_TILE",
-                 "short_blocks": "PREFILL_SHORT_BLOCKS", "dependent_attention": "DEPENDENT_ATTENTION"}
-
-
 def with_variant(variant: dict, run):
-    """run() with the variant's planner constants, defines and sources, restored after."""
-    names = [*CONSTANT_KEYS.values(), "PREFILL_WARPS", "PREFILL_WGMMA_WARPS", "choose_prefill_splits"]
-    saved = {name: getattr(cuda_attention, name) for name in names}
-    plain_defines = cuda_attention.PrefillKernel.defines
+    """run(tuning) with the variant's tuning, kernel sources and NVRTC options, restored after."""
     source = os.environ.get(jit.SOURCE_DIR_ENV)
     plain_options = jit.EXTRA_OPTIONS
     jit.EXTRA_OPTIONS = tuple(variant.get("nvrtc_options", plain_options))
-    for key, name in CONSTANT_KEYS.items():
-        if key in variant:
-            setattr(cuda_attention, name, variant[key])
-    if "splits" in variant:
-        cuda_attention.choose_prefill_splits = lambda *args: variant["splits"]
-    if "warps" in variant:   # either build
-        cuda_attention.PREFILL_WARPS = cuda_attention.PREFILL_WGMMA_WARPS = variant["warps"]
-    cuda_attention.PrefillKernel.defines = property(
-        lambda k: {**plain_defines.fget(k), **variant.get("defines", {})})
     if "src" in variant:
-        os.environ[jit.SOURCE_DIR_ENV] = variant["src"]
+        os.environ[jit.SOURCE_DIR_ENV] = os.path.abspath(variant["src"])
     try:
-        return run()
+        return run(replace(cuda_attention.DEFAULT_TUNING, **variant.get("tuning", {})))
     finally:
-        for name, value in saved.items():
-            setattr(cuda_attention, name, value)
-        cuda_attention.PrefillKernel.defines = plain_defines
         jit.EXTRA_OPTIONS = plain_options
         if source is None:
             os.environ.pop(jit.SOURCE_DIR_ENV, None)
@@ -173,7 +123,7 @@ def main() -> None:
                 record = dict(name=variant["name"], kv_dtype=kv_dtype, shape=[sequences, context, new_tokens],
                               head_size=head_size, rotation=rotation)
                 try:
-                    ms, plan = with_variant(variant, lambda: time_case(cases[key]))
+                    ms, plan = with_variant(variant, lambda tuning: time_case(cases[key], tuning))
                     record.update(ms=ms, tflop_per_s=cases[key]["flops"] / ms / 1e9, kernel=str(plan.kernel),
                                   splits=plan.num_splits)
                 except Exception as error:   # one variant failing to build must not stop the others

@@ -269,7 +269,6 @@ WRITE_PLAIN_MIN_BLOCKS = 4
 ROTATE_LANE_VALUES = 64          # blockdiag up to ROTATE_WIDE_MAX_HEAD
 ROTATE_WIDE_MAX_HEAD = 160
 ROTATE_NARROW_LANE_VALUES = 32
-WIDEN_BY_BITS = False
 WRITE_THREADS = 128
 ROTATE_MIN_BLOCKS = 3
 ROTATE_LONG_MIN_BLOCKS = 4       # head sizes from ROTATE_LONG_HEAD up
@@ -293,10 +292,10 @@ class VectorLayout:
     def values(self) -> int:
         return self.rows * self.columns
 
-    def defines(self, widen_by_bits: bool) -> dict:
+    @property
+    def defines(self) -> dict:
         return {"KVC_HEAD_SIZE": self.head_size, "KVC_POW2": self.pow2, "KVC_ROWS": self.rows,
-                "KVC_COLUMNS": self.columns, "KVC_ROTATE": int(self.rotated), "KVC_KRON": int(self.kron),
-                "KVC_WIDEN_BY_BITS": int(widen_by_bits and self.rotated)}
+                "KVC_COLUMNS": self.columns, "KVC_ROTATE": int(self.rotated), "KVC_KRON": int(self.kron)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -346,17 +345,16 @@ def write_defines(head_size: int, kv_dtype: str, cache_dtype: np.dtype, input_dt
     quantized caches)."""
     lane_values, min_blocks = _write_tuning(kv_dtype, plan)
     return _write_defines(head_size, kv_dtype, np.dtype(cache_dtype), np.dtype(input_dtype), plan,
-                          lane_values, WIDEN_BY_BITS, min_blocks, WRITE_THREADS)
+                          lane_values, min_blocks, WRITE_THREADS)
 
 
 @functools.lru_cache(maxsize=None)
 def _write_defines(head_size: int, kv_dtype: str, cache_dtype: np.dtype, input_dtype: np.dtype,
-                   plan: RotationPlan | None, lane_values: int, widen_by_bits: bool, min_blocks: int,
-                   threads: int) -> tuple:
+                   plan: RotationPlan | None, lane_values: int, min_blocks: int, threads: int) -> tuple:
     layout = vector_layout(head_size, plan, lane_values)
     info = formats.kv_dtype_info(kv_dtype)
     input_dtype = np.dtype(input_dtype)
-    defines = {**layout.defines(widen_by_bits),
+    defines = {**layout.defines,
                **info.kernel_defines(np.dtype(cache_dtype) if not info.quantized else input_dtype),
                "KVC_INPUT_T": CPP_TYPES[input_dtype],
                "KVC_ROUND_TO_INPUT": int(layout.rotated and plan.rounds_to_input_dtype
@@ -404,15 +402,15 @@ def rotate_defines(head_size: int, plan: RotationPlan | None, input_dtype: np.dt
                    orders: bool) -> tuple:
     """The rotate kernel's specialisation under the current tuning."""
     return _rotate_defines(head_size, plan, np.dtype(input_dtype), np.dtype(output_dtype), bool(orders),
-                           _rotate_lane_values(head_size, plan), WIDEN_BY_BITS,
+                           _rotate_lane_values(head_size, plan),
                            ROTATE_LONG_MIN_BLOCKS if head_size >= ROTATE_LONG_HEAD else ROTATE_MIN_BLOCKS)
 
 
 @functools.lru_cache(maxsize=None)
 def _rotate_defines(head_size: int, plan: RotationPlan | None, input_dtype: np.dtype, output_dtype: np.dtype,
-                    orders: bool, lane_values: int, widen_by_bits: bool, min_blocks: int) -> tuple:
+                    orders: bool, lane_values: int, min_blocks: int) -> tuple:
     layout = vector_layout(head_size, plan, lane_values)
-    defines = {**layout.defines(widen_by_bits), "KVC_INPUT_T": CPP_TYPES[np.dtype(input_dtype)],
+    defines = {**layout.defines, "KVC_INPUT_T": CPP_TYPES[np.dtype(input_dtype)],
                "KVC_OUTPUT_T": CPP_TYPES[np.dtype(output_dtype)], "KVC_ORDERS": int(orders),
                "KVC_MIN_BLOCKS": min_blocks}
     return tuple(sorted(defines.items()))

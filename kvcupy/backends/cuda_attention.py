@@ -22,7 +22,7 @@ The plan (made once per BatchPlan and reused by every layer) fixes what the
 kernel is specialised on and how the work is cut. Decode and short query
 runs take attention.cuh's kernel: warps per block (one per KV head, up to 8,
 so that a block reads whole cache rows), query rows per warp, tokens per
-pipeline stage. Prefill (a sequence bringing at least PREFILL_MIN_ROWS query
+pipeline stage. Prefill (a sequence bringing at least tuning.prefill_min_rows query
 rows per KV head, head sizes up to PREFILL_MAX_HEAD_PAD) takes prefill.cuh's:
 128 query rows of one KV head a block, each tile decoded once into shared
 memory (on sm_90 it takes its wgmma build, compiled for
@@ -48,8 +48,6 @@ from ..rotation import query_divisor, sylvester
 # attention.cuh's KV_* codes.
 KV_INT4, KV_INT8, KV_FP8, KV_F16, KV_BF16 = range(5)
 HEAD_CLASS = 32          # head sizes are padded up to a multiple of this (masked)
-STAGES = 3               # cp.async pipeline depth
-STAGE_BYTES_TARGET = 40 * 1024   # keep a stage (K + V + scales) near this: 2 blocks a multiprocessor
 SHARED_BYTES_PER_SM = 227 * 1024
 # How a decode block stages its tiles (Kernel.staging, attention.cuh's KVC_STAGING):
 # every thread copies pieces and the block syncs; warp 0 copies each page's
@@ -58,213 +56,62 @@ SHARED_BYTES_PER_SM = 227 * 1024
 # pages whose rows hold the block's KV heads side by side (_bulk_copies_fit;
 # 16-bit caches take row copies only, _row_copies_fit).
 STAGE_THREADS, STAGE_BULK, STAGE_ROWS = 0, 1, 2
-ROW_STAGING = True   # row copies rather than bulk copies where both fit
+STAGES = 3               # a decode block's pipeline depth in tiles, unless a build says otherwise
+# Row copies go out a tile late (after the tile is read): with fewer stages none would be in flight.
 ROW_STAGING_MIN_STAGES = 3
 MAX_SPLITS = 256         # attention.cuh: kMergeMaxSplits
 MERGE_WARPS = 8          # attention.cuh: kMergeWarps (split_warps of them a row)
-# sm_90 and newer: the merge's blocks may start before the attention grid ends
-# (cuda_launch.py); False launches it plainly (tools/decode_variants.py's A/B).
-DEPENDENT_MERGE = True
-# sm_90 and newer: the attention kernel too is launched as a programmatic
-# dependent of whatever the stream ran before it, its blocks waiting in the
-# kernel (before any read) instead of behind the launch. False: plainly.
-# H200, alternating in one process against e318999's kernels (int4, blockdiag,
-# ms): 32 x 8192 0.0910 / 0.0908 against 0.0926 / 0.0929, 8 x 32768 0.0914 /
-# 0.0916 against 0.0939 / 0.0936, 4 x 4096 0.0235 / 0.0234 against 0.0247 /
-# 0.0244 (docs/gpu-notes.md, Decode).
-DEPENDENT_ATTENTION = True
 MERGE_SIGNATURE = "PPPPiiiiiPif"   # attention.cu's merge_splits parameters (cuda_launch's codes)
-# The attention entries' 54 parameters (attention.cu, KVC_ATTENTION_ARGS), in
-# cuda_launch's codes: packed into one buffer they cost the host less to launch
-# than through CuPy's per-argument conversion (tools/host_primitives.py). False:
-# CuPy's launch (the A/B there).
+# The attention entries' 54 parameters (attention.cu, KVC_ATTENTION_ARGS) in
+# cuda_launch's codes, packed into one buffer a launch.
 ATTENTION_SIGNATURE = "PPPPP" + "q" * 12 + "PPPPPP" + "i" * 11 + "ffPqqiPPiiffPqqiPiPi"
-PACKED_LAUNCH = True
 # Four quads (16 query rows a warp) double the accumulators of two: above this
 # head size they spill even at 255 registers, so larger heads take more row tiles.
 MAX_HEAD_PAD_FOUR_QUADS = 128
-MIN_TILES_PER_SPLIT = 4  # a split below this many tiles costs more in merging than it gains
-# Splits shorter than this take 16-token tiles (a shallower pipeline). 0: none
-# do, since a 32-token tile is one softmax round of two steps (attention.cuh).
-# Before the rounds 2048 paid (int4 d128 32 x 8192 1.60 -> 1.96 TB/s); with
-# them, 0 against 2048 (H200, tools/decode_variants.py "long_split_tokens",
-# alternating runs): 32 x 8192 2.18-2.20 vs 1.95, 8 x 32768 1.49-1.52 vs 1.50-1.51.
-LONG_SPLIT_TOKENS = 0
-# int8 / fp8 decode takes 32-token tiles (_round_tile) where they leave a
-# multiprocessor at least this many warps (H200, tools/decode_variants.py,
-# 32 x 32768, alternating runs): at d = 128 one block of 8 warps and 198 KiB
-# against two of 16-token tiles, fp8 3.45 and 3.59 vs 3.25 and 3.26 TB/s, int8
-# 3.82 and 3.82 vs 3.65 and 3.68 (two stages: fp8 3.43, the same); at d = 96
-# two stages (two blocks) against three (one), int8 3.41 and 3.40 vs 3.27
-# and 3.20, fp8 3.44 and 3.53 vs 3.11 and 3.06.
-DECODE_ROUND_MIN_WARPS = 8
-DECODE_ROUND_TILE = 32            # one softmax round of two 16-token steps (attention.cuh)
-DECODE_ROUND_MAX_HEAD_PAD = 128   # larger heads: not measured, they keep 16-token tiles
-# int4 decode of one quad at d = 128 and 96 with row copies takes 64-token
-# tiles (_long_tile): one softmax round of four steps a tile, one block of 8
-# warps a multiprocessor (219 KiB at d = 128, 162 at 96) instead of two of
-# 32-token tiles, whose two blocks the schedulers serve unevenly
-# (tools/decode_trace.py). H200, tools/decode_variants.py, blockdiag, one
-# process a shape, ms, 64 vs 32: 32 x 32768 0.3269 / 0.3266 vs 0.3346 /
-# 0.3344, 32 x 8192 0.0982 / 0.0982 vs 0.1053 / 0.1056, 8 x 32768 0.0988 /
-# 0.0984 vs 0.1055 / 0.1061, 64 x 2048 0.0590 / 0.0591 vs 0.0672 / 0.0670.
-# d = 96 was slower (0.3282 vs 0.2944) until the tiles' row copies took whole
-# 128-byte lines (the 2026-12-03 late session): then 32 x 32768 0.2916 /
-# 0.2911 vs 0.2926 / 0.2916, 32 x 8192 0.0822 / 0.0821 vs 0.0855 / 0.0854.
-# Not taken: splits shorter than DECODE_LONG_TILE_MIN_SPLIT_TOKENS (4 x 4096,
-# 16 splits of 256 keys: 0.0261 / 0.0260 vs 0.0252 / 0.0254).
-DECODE_LONG_TILE = 64
-DECODE_LONG_TILE_HEAD_PADS = (96, 128)
-DECODE_LONG_TILE_MIN_SPLIT_TOKENS = 1024
-# At d = 96 the 64-token tiles' math is bound by the latency of each warp's
-# chains, two warps a scheduler (ncu: 0.53 issued a cycle, 27% of the stall
-# samples waiting on a fixed latency): two stages instead of three, the row
-# copies of tile t + 1 issued before tile t (attention.cuh's KVC_ROWS_BEFORE,
-# Kernel.rows_before), fit two blocks a multiprocessor (_long_tile). H200,
-# tools/decode_variants.py, blockdiag, alternating, ms, two blocks vs one:
-# 32 x 32768 0.2753 / 0.2753 / 0.2755 vs 0.2884 / 0.2883 / 0.2880 (8 splits
-# against 4); with splits of 1024 keys slower: 32 x 8192 0.0819 / 0.0818 vs
-# 0.0814 / 0.0813, 8 x 32768 0.0826 / 0.0829 vs 0.0826 / 0.0825. Splits
-# shorter than DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS keep the one-block build.
-DECODE_TWO_BLOCK_HEAD_PADS = (96,)
-DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS = 2048
-# Prefill (prefill.cuh): batches whose longest query run has at least this many
-# (query token, head) rows per KV head take the prefill kernel, head sizes up to
-# PREFILL_MAX_HEAD_PAD (above, its register-held accumulators would spill).
-PREFILL_MIN_ROWS = 64
-PREFILL_MAX_HEAD_PAD = 128
-# 128 query rows a block, each tile decoded once for all of them. Against 4 warps
-# (2 blocks a multiprocessor) and against 32-token tiles, 4 x 8192 causal, d = 128,
-# TFLOP/s (H200, tools/prefill_variants.py, one run, an earlier step of this kernel):
-# int8 118 vs 72 and 108; int4 128 vs 133 and 105.
-PREFILL_WARPS = 8
+DECODE_ROUND_TILE = 32   # one softmax round of two 16-token steps (attention.cuh)
+DECODE_LONG_TILE = 64    # one round of four steps: int4 decode's long splits
+PREFILL_MAX_HEAD_PAD = 128   # above, the prefill kernel's register-held accumulators would spill
+PREFILL_WARPS = 8            # 128 query rows a block (mma.sync build), each tile decoded once for all
+PREFILL_WGMMA_WARPS = 12     # three warpgroups: three warps a scheduler hide the softmax's latencies
 PREFILL_TILE = 64
-PREFILL_STAGES = 3          # raw stages of quantized caches (besides the decoded tiles)
-PREFILL_AUTO_STAGES = 2     # fp16 / bf16 rows, 4x the bytes of int4 ones (3 do not fit beside the wgmma buffers)
-PREFILL_MIN_BLOCKS = 1      # 8 warps a multiprocessor: no spills (`kvcupy check --all`)
-# sm_90 takes the warpgroup (wgmma, sm_90a) build of the prefill kernel (auto caches
-# with PREFILL_WGMMA_AUTO); False keeps the mma.sync build everywhere (the tests run
-# both on Hopper).
-PREFILL_WGMMA = True
-# The wgmma build runs three warpgroups (192 query rows) a block: three warps a
-# scheduler instead of two hide more of the softmax's and the decoding's latencies.
-# int4, blockdiag, d = 128, TFLOP/s against 8 warps (H200, tools/prefill_variants.py,
-# one run): 4 x 8192 causal 266 vs 235, 2048 new over 30720 cached 253 vs 249,
-# 64 x 128 0.29 vs 0.33 ms. (168 registers a thread; the spills sit in the
-# prologue and the epilogue, two spill instructions in the loop.)
-PREFILL_WGMMA_WARPS = 12
-# The wgmma build with a producer warpgroup (prefill.cuh, PRODUCER): of its 12
-# warps, four stage and decode the tiles while two warpgroups (128 query rows)
-# run the products and the softmax in FlashAttention-3's intra-warpgroup order,
-# ordered by mbarriers, on 224 registers (setmaxnreg), none spilled. Measured
-# (H200, tools/prefill_variants.py, blockdiag, d = 128, TFLOP/s, against the
-# 3-warpgroup build in one process, 2026-12-02 after the race fix): int4 4 x 8192
-# causal 301.5 vs 273.3, 2048 new over 30720 cached 331.0 vs 282.1; int8 239.1 /
-# 254.1 vs 230.7 / 236.0; fp8 233.7 / 248.1 vs 227.9 / 232.3; d = 96 271.8 /
-# 294.8 vs 235.5 / 241.1. Short prompts (ms, producer vs 3 warpgroups): 64 x 128
-# 0.258 vs 0.238, 16 x 512 0.324 vs 0.315, 1 x 2048 0.185 vs 0.210, 4 x 2048
-# 0.634 vs 0.654, 1 x 4096 0.522 vs 0.625: the producer build from
-# PREFILL_PRODUCER_MIN_KEYS keys a sequence (512 to 2048: measured later, below).
-# Since then (the query in registers, raw rows read without bank conflicts;
-# docs/gpu-history.md, Prefill): 4 x 8192 int4 335.8, int8 287.1, fp8 278.6; then (int8 bytes
-# permuted under 0x64, fp8 by cvt.rn.f16x2.e4m3x2) int8 307.8 and, on the bench,
-# int8 304.7, fp8 309.0; then (quantized codes a fixed piece a stager: prefill.cuh,
-# stage_tile) int8 307.1 -> 334.6, fp8 310.7 -> 334.3 and, on the bench, int8
-# 326.9, fp8 339.6.
-PREFILL_PRODUCER = True
-PREFILL_PRODUCER_MIN_KEYS = 2048
-# Quantized caches with a rotation and 16-byte copies take the producer build from
-# fewer keys, since its staging takes each stager's piece once (prefill.cuh,
-# stage_tile). H200, tools/prefill_variants.py, alternating, two rounds, ms, the
-# build below 2048 keys -> the producer's: d = 128 blockdiag, 32 x 304 int4
-# 0.2960 -> 0.2985, int8 0.3271 -> 0.3152, fp8 0.3442 -> 0.3356; 16 x 512 int4
-# 0.2838 -> 0.2789, int8 0.3177 -> 0.2930, fp8 0.3287 -> 0.3046; 4 x 1536 int8
-# 0.4287 -> 0.3682, fp8 0.4373 -> 0.3709; 256 new over 768 cached (8 x 1024)
-# int4 0.1688 -> 0.1359, int8 0.1944 -> 0.1445, fp8 0.1964 -> 0.1427; d = 96
-# blockdiag 16 x 512 int4 / int8 / fp8 +3 / +1.4 / +1.7%, 32 x 304 -0.4 / -3 /
-# -3.5%. Without a rotation the build below keeps its lighter code (no rotation)
-# and int4 lost 30% at 16 x 512 (0.2389 -> 0.3108), so those keep 2048.
-PREFILL_PRODUCER_MIN_KEYS_ROTATED = 512
-# 16-bit (auto) caches take the wgmma builds too: their decoding pass copies fp16
-# rows into the core-matrix layout and converts bf16 rows to fp16 with a power of
-# two a row (prefill.cuh, decode_tile), so the products and the softmax are the
-# quantized caches' own. False keeps them on the mma.sync build (bf16 operands).
-# H200, 4 x 8192 causal, d = 128, TFLOP/s: fp16 rows 195 (mma.sync) -> 253 -> 303
-# (their staging's offsets once a tile; tools/prefill_variants.py); bf16 on the
-# bench 163 -> 218 -> 250 (flash SDPA 336-348 in the same runs).
-PREFILL_WGMMA_AUTO = True
-# The producer build over bf16 caches copies their rows straight into the
-# products' layout (prefill.cuh, DIRECT), where the query is bf16 and not rotated
-# (PrefillKernel.for_query): bf16 operands, no decoding pass, no per-token
-# scales. H200, 4 x 8192 causal, d = 128 (tools/prefill_variants.py, bf16 rows
-# and query, alternating): 250.8 / 249.2 decoded -> 300.1 / 300.5 TFLOP/s
-# direct with three tiles in flight; 2048 over 30720 cached 267.7 / 267.4 ->
-# 324.2 / 317.2. fp16 rows gained nothing in the core matrices (decoded 302.2 /
-# 301.9, direct 302.0 / 293.4 with one tile in flight), but swizzled
-# (PREFILL_SWIZZLE) they do: decoded 300.5 / 296.6 -> direct 374.7 / 370.9,
-# chunked 322.2 / 319.0 -> 395.0 / 398.3 (2026-12-03, alternating), so
-# PREFILL_DIRECT_F16 is on.
-PREFILL_DIRECT = True
-PREFILL_DIRECT_F16 = True
-# Tiles in flight beside the consumers' three buffers (as many as fit, at most
-# this). bf16, 4 x 8192 / chunked: 0 -> 276.8 / 289.0, 1 -> 310.8 / 328.5,
-# 2 -> 308.9 / 326.8, 3 -> 303.2 / 322.6 (one run).
-PREFILL_DIRECT_STAGES = 1
-# Direct tiles in a swizzled layout (prefill.cuh, kSwizzleBytes): 128-byte
-# columns where head_pad is a multiple of 64, 64-byte ones at 96 and 32; the
-# copies then take whole rows. H200, bf16 rows and query (tools/prefill_variants.py,
-# alternating, two rounds), core matrices -> swizzled, TFLOP/s: d = 128, 4 x
-# 8192 307.2 / 307.8 -> 377.2 / 373.3, 2048 over 30720 cached 331.4 / 330.7 ->
-# 419.3 / 412.4 (ncu, 4 x 8192: L2 throughput 88.9% -> 29.0%, 7.18 -> 5.82
-# ms); d = 96 (64-byte, 2026-12-03) 253.5 / 252.3 -> 284.8 / 286.2, chunked
-# 268.1 / 268.5 -> 308.9 / 310.5. The decoding pass's tiles
-# swizzled (quantized caches, fp16 rows decoded) measured no gain: int4 342.5
-# -> 324.7-333.5, int8 307.8 -> 277-308, fp8 312.9 -> 285-313 by producer
-# registers and batch (docs/gpu-notes.md).
-PREFILL_SWIZZLE = True
-# Short prompts: the build without the producer (the longest sequence below
-# PREFILL_PRODUCER_MIN_KEYS keys) spends a block's time mostly on its query's
-# loads and its output's stores, which overlap only with another block's work.
-# Caches without a rotation take a build without the rotation's code
-# (PREFILL_UNROTATED: with that code its registers spilled 676 bytes at 12
-# warps, int8 d = 128; without it none), and batches whose longest sequence
-# holds at most PREFILL_SHORT_KEYS keys take
-# PREFILL_SHORT_WARPS warps and PREFILL_SHORT_TILE-token tiles at
-# PREFILL_SHORT_BLOCKS blocks a multiprocessor where two fit (not 16-bit rows at
-# d = 128), rotated caches too (PREFILL_SHORT_ROTATED; their build spills 2.7 KB
-# of registers, in the query's rotation, and still gains). H200, d = 128,
-# tools/prefill_variants.py, ms, two rounds in one process, the kernels before
-# (commit ada9a07) against these:
-#   int8, no rotation: 64 x 128 0.1892 / 0.1892 -> 0.1338 / 0.1338; 32 x 256
-#     0.2308 / 0.2318 -> 0.1775 / 0.1777 (12 warps without the rotation's code
-#     0.2061 / 0.2058); 16 x 512 (12 warps) 0.2899 / 0.2911 -> 0.2597 / 0.2602
-#     (8 warps, an earlier run: 0.2677 / 0.2674 against 0.2588 / 0.2589)
-#   fp8, no rotation: 64 x 128 0.1903 / 0.1906 -> 0.1371 / 0.1367; 32 x 256
-#     0.2340 / 0.2337 -> 0.1835 / 0.1839; 16 x 512 0.2932 / 0.2936 -> 0.2608 / 0.2617
-#   int4, blockdiag: 64 x 128 0.2225 / 0.2229 -> 0.2059 / 0.2061; 32 x 256
-#     0.2543 / 0.2549 -> 0.2453 / 0.2454
-PREFILL_UNROTATED = True
-# Rotated prefill builds for calls whose query and output rows are 16-bit leave
-# the float32 rows' two-term rotations out (PrefillKernel.wide_rows, prefill.cuh's
-# KVC_WIDE_ROWS); float32 calls take the build with them (kvcupy.paged_attention
-# writes an output of the query's dtype, so a call is one or the other). The JIT
-# target (a first compile within 5 s) had slipped: 7.4 s for the int4 short
-# build and 5.5-5.7 s for the producer builds in one bench on the lent H200
-# (NVRTC 13.0), 7.3-8.6 s for the d = 128 prefill builds on another such
-# machine. Without that code, and with mma_either, 2.9-3.3 s on a third, 4.0-5.9
-# s on a fourth (prefill.cuh, kWideRows; docs/gpu-notes.md). The cost, int4
-# / int8 / fp8 blockdiag (tools/prefill_variants.py, ec0b4b6's kernels against
-# these, two rounds, ms or TFLOP/s): 64 x 128 0.1558 / 0.1544 -> 0.1556 / 0.1548,
-# 0.1614 / 0.1615 -> 0.1641 / 0.1622, 0.1880 / 0.1882 -> 0.1813 / 0.1814; 4 x
-# 8192 348.0 / 350.7 -> 345.5 / 348.1, 330.5 / 334.0 -> 333.7 / 334.0, 332.6 /
-# 333.4 -> 329.7 / 331.0; 2048 over 30720 384.0 / 384.4 -> 382.3 / 382.4, 364.4
-# / 362.5 -> 364.5 / 364.8, 366.9 / 366.8 -> 363.7 / 363.1.
-PREFILL_NARROW_ROWS = True
-PREFILL_SHORT_KEYS = 256
-PREFILL_SHORT_WARPS = 8
-PREFILL_SHORT_TILE = 32
-PREFILL_SHORT_BLOCKS = 2
-PREFILL_SHORT_ROTATED = True   # rotated caches take the short build too
+PREFILL_STAGES = 3           # raw stages of quantized caches (besides the decoded tiles)
+PREFILL_AUTO_STAGES = 2      # fp16 / bf16 rows, 4x the bytes of int4 ones (3 do not fit beside the wgmma buffers)
+PREFILL_MIN_BLOCKS = 1       # 8 warps a multiprocessor: no spills (`kvcupy check --all`)
+PREFILL_DIRECT_STAGES = 1    # direct builds: raw tiles in flight beside the consumers' three buffers, at most
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The CUDA planner's tunables: how it cuts a batch's work and which builds it
+    takes. Data, not switches: a variant is `dataclasses.replace(DEFAULT_TUNING, ...)`
+    given to `kvcupy.plan_batch(tuning=...)`. docs/design.md gives the reasons."""
+
+    # Decode (attention.cuh).
+    stage_bytes_target: int = 40 * 1024   # a stage (K + V + scales) near this fits two blocks a multiprocessor
+    row_staging: bool = True              # row copies rather than bulk copies where both fit
+    min_tiles_per_split: int = 4          # a shorter split costs more in merging than it gains
+    max_splits: int = MAX_SPLITS          # splits of a sequence's keys at most (decode and prefill)
+    round_min_warps: int = 8              # 1-byte codes take 32-token tiles where a multiprocessor keeps this many warps
+    round_max_head_pad: int = 128         # larger heads keep 16-token tiles
+    long_tile_head_pads: tuple = (96, 128)   # int4 heads whose one-quad builds take 64-token tiles
+    long_tile_min_split_tokens: int = 1024   # shorter splits keep 32-token tiles
+    two_block_head_pads: tuple = (96,)    # of those, heads whose latency-bound chains want two blocks (two stages)
+    two_block_min_split_tokens: int = 2048   # shorter splits keep one block of three stages
+    dependent_launch: bool = True         # sm_90: attention and merge grids start as programmatic dependents
+    # Prefill (prefill.cuh).
+    prefill_min_rows: int = 64            # (query token, head) rows a KV head from which the prefill kernel serves
+    prefill_wgmma: bool = True            # sm_90 takes the warpgroup builds (False: mma.sync, as sm_80 does)
+    prefill_producer_min_keys: int = 2048    # longest sequence from which the producer warpgroup pays
+    prefill_producer_min_keys_rotated: int = 512   # the same for rotated quantized caches with 16-byte copies
+    prefill_short_keys: int = 256         # up to this longest sequence: the short build (fewer warps, two blocks)
+    prefill_short_warps: int = 8
+    prefill_short_tile: int = 32
+    prefill_short_blocks: int = 2
+    prefill_block_keys: int = 320         # a prefill block's fixed cost (query in, output out) in keys of work
+    prefill_split_gain: float = 0.9       # splitting a prefill's keys must promise 10% (the merges cost too)
+
+
+DEFAULT_TUNING = Tuning()
 
 
 @dataclass(frozen=True)
@@ -367,18 +214,15 @@ class PrefillKernel:
         return cls(kv, head_pad, PREFILL_TILE, chunk, PREFILL_WGMMA_WARPS if wgmma else PREFILL_WARPS, wgmma, producer)
 
     def for_query(self, query_dtype, rotation, out_dtype) -> "PrefillKernel":
-        """The build a call takes: the direct one (PREFILL_DIRECT) for bf16 rows in the
-        producer build under a bf16 query without rotation (bf16 operands hold
-        such a query exactly, as fp16 ones hold an fp16 query), and for fp16 rows
-        with PREFILL_DIRECT_F16; a rotated build without the float32 rows' code
-        (wide_rows False, PREFILL_NARROW_ROWS) where neither the query nor the
-        output is float32."""
+        """The build a call takes: the direct one for 16-bit rows in the producer
+        build (fp16 rows always; bf16 rows under a bf16 query without rotation,
+        which bf16 operands hold exactly, as fp16 ones hold an fp16 query); a
+        rotated build without the float32 rows' code (wide_rows False) where
+        neither the query nor the output is float32: a shorter first compile."""
         kernel = self
-        if (PREFILL_NARROW_ROWS and self.rotated and np.dtype(query_dtype) != np.float32
-                and np.dtype(out_dtype) != np.float32):
+        if self.rotated and np.dtype(query_dtype) != np.float32 and np.dtype(out_dtype) != np.float32:
             kernel = replace(kernel, wide_rows=False)
-        rows = (KV_F16, KV_BF16) if PREFILL_DIRECT_F16 else (KV_BF16,)
-        if not (PREFILL_DIRECT and self.producer and self.kv in rows and self.chunk >= 4):
+        if not (self.producer and self.kv in (KV_F16, KV_BF16) and self.chunk >= 4):
             return kernel
         if self.kv == KV_BF16 and (np.dtype(query_dtype) != formats.MODEL_DTYPES["bfloat16"]
                                    or (rotation is not None and not rotation.is_identity)):
@@ -446,8 +290,9 @@ class PrefillKernel:
     @functools.cached_property
     def swizzled(self) -> bool:
         """Whether the decoded tiles take a swizzled layout (prefill.cuh's kSwizzled: 128-byte
-        columns where head_pad is a multiple of 64, else 64-byte ones)."""
-        return PREFILL_SWIZZLE and self.direct
+        columns where head_pad is a multiple of 64, else 64-byte ones): the direct builds,
+        whose copies then take whole rows without bank conflicts."""
+        return self.direct
 
     @functools.cached_property
     def shared_bytes(self) -> int:
@@ -547,7 +392,7 @@ def _row_copies_fit(cache, kv: int, heads: int, stored_row: int, head_pad: int, 
     return True
 
 
-def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int) -> Kernel:
+def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int, tuning: Tuning) -> Kernel:
     head_pad = -(-cache.head_size // HEAD_CLASS) * HEAD_CLASS
     quads = 1 if rows_per_sequence <= 4 else 2 if rows_per_sequence <= 8 or head_pad > MAX_HEAD_PAD_FOUR_QUADS else 4
     stored_row = _stored_row_bytes(cache, kv)
@@ -559,10 +404,10 @@ def _choose_kernel(cache, kv: int, rows_per_sequence: int, capability: int) -> K
         for tile in (DECODE_ROUND_TILE, 16):
             bulk = _bulk_copies_fit(cache, kv, heads, stored_row, head_pad, capability)
             rows = bulk or _row_copies_fit(cache, kv, heads, stored_row, head_pad, capability)
-            staging = STAGE_ROWS if rows and ROW_STAGING else STAGE_BULK if bulk else STAGE_THREADS
+            staging = STAGE_ROWS if rows and tuning.row_staging else STAGE_BULK if bulk else STAGE_THREADS
             kernel = Kernel(kv, head_pad, heads, quads, tile, _copy_granule(cache, stored_row), staging)
-            if kernel.shared_bytes <= STAGES * STAGE_BYTES_TARGET + 16 * STAGES:
-                return _long_tile(_settle_staging(_round_tile(kernel), bulk))
+            if kernel.shared_bytes <= STAGES * tuning.stage_bytes_target + 16 * STAGES:
+                return _long_tile(_settle_staging(_round_tile(kernel, tuning), bulk), tuning)
             best, best_bulk = kernel, bulk
     return _settle_staging(best, best_bulk)
 
@@ -578,39 +423,42 @@ def _settle_staging(kernel: Kernel, bulk_fits: bool = True) -> Kernel:
     return kernel
 
 
-def _round_tile(kernel: Kernel) -> Kernel:
+def _round_tile(kernel: Kernel, tuning: Tuning) -> Kernel:
     """32-token tiles for decode over 1-byte codes too, where a block's stages still
-    fit a multiprocessor with at least DECODE_ROUND_MIN_WARPS warps: a tile of
+    fit a multiprocessor with at least tuning.round_min_warps warps: a tile of
     one quad is one softmax round of two steps (attention.cuh), which pays for
     a lost second block. Two stages instead of three where that keeps more
     warps (more blocks) a multiprocessor."""
     if (kernel.tile == DECODE_ROUND_TILE or kernel.quads != 1 or kernel.kv not in (KV_INT8, KV_FP8)
-            or kernel.head_pad > DECODE_ROUND_MAX_HEAD_PAD):
+            or kernel.head_pad > tuning.round_max_head_pad):
         return kernel
     best = kernel
     for stages in (STAGES, 2):
         wider = replace(kernel, tile=DECODE_ROUND_TILE, stages=stages)
         warps = wider.blocks_per_sm * wider.heads
-        if (wider.shared_bytes <= SHARED_BYTES_PER_SM and warps >= DECODE_ROUND_MIN_WARPS
+        if (wider.shared_bytes <= SHARED_BYTES_PER_SM and warps >= tuning.round_min_warps
                 and (best is kernel or warps > best.blocks_per_sm * best.heads)):
             best = wider
     return best
 
 
-def _long_tile(kernel: Kernel) -> Kernel:
-    """64-token tiles for int4 decode of one quad at DECODE_LONG_TILE_HEAD_PADS with
+def _long_tile(kernel: Kernel, tuning: Tuning) -> Kernel:
+    """64-token tiles for int4 decode of one quad at tuning.long_tile_head_pads with
     row copies, where one block of them fills a multiprocessor with at least
-    DECODE_ROUND_MIN_WARPS warps: the measured builds (plan_attention keeps 32
-    for short splits). At DECODE_TWO_BLOCK_HEAD_PADS, two stages where that fits
-    two such blocks (rows_before; plan_attention keeps three for short splits)."""
+    tuning.round_min_warps warps: one softmax round of four steps a tile, one
+    block instead of two whose schedulers serve them unevenly (plan_attention
+    keeps 32 for short splits). At tuning.two_block_head_pads, two stages where
+    that fits two such blocks (rows_before; plan_attention keeps three for
+    short splits)."""
     if (kernel.kv != KV_INT4 or kernel.quads != 1 or kernel.tile != DECODE_ROUND_TILE or kernel.staging != STAGE_ROWS
-            or kernel.head_pad not in DECODE_LONG_TILE_HEAD_PADS):
+            or kernel.head_pad not in tuning.long_tile_head_pads):
         return kernel
     longer = replace(kernel, tile=DECODE_LONG_TILE)
-    if longer.shared_bytes > SHARED_BYTES_PER_SM or longer.blocks_per_sm != 1 or longer.heads < DECODE_ROUND_MIN_WARPS:
+    if (longer.shared_bytes > SHARED_BYTES_PER_SM or longer.blocks_per_sm != 1
+            or longer.heads < tuning.round_min_warps):
         return kernel
     two_blocks = replace(longer, stages=2)
-    if kernel.head_pad in DECODE_TWO_BLOCK_HEAD_PADS and two_blocks.blocks_per_sm == 2:
+    if kernel.head_pad in tuning.two_block_head_pads and two_blocks.blocks_per_sm == 2:
         return two_blocks
     return longer
 
@@ -628,20 +476,14 @@ def choose_splits(base_blocks: int, slots: int, most: int) -> int:
     return best
 
 
-# A prefill block's fixed cost (reading and rotating its query rows, the first
-# copies, rotating and writing its output), in keys of work: 64 x 128 prompts
-# (int4, d = 128, H200) spend about five 64-key tiles' time a block.
-PREFILL_BLOCK_KEYS = 320
-PREFILL_SPLIT_GAIN = 0.9   # splitting a prefill's keys must promise 10% (the merges cost too)
-
-
 def choose_prefill_splits(keys_seen: np.ndarray, head_groups: int, slots: int, longest: int, tile: int,
-                          most: int) -> int:
+                          most: int, tuning: Tuning = DEFAULT_TUNING) -> int:
     """Splits for a prefill plan, from the keys each row tile sees (a causal prompt's
     tiles see ever more; choose_splits' equal blocks would misjudge them). Modelled
     time: the blocks taken longest first in waves of `slots`, each wave as long as
-    its longest block, a block costing its keys plus PREFILL_BLOCK_KEYS; every head
-    group runs the same tiles. The fewest splits within PREFILL_SPLIT_GAIN of the best."""
+    its longest block, a block costing its keys plus tuning.prefill_block_keys; every
+    head group runs the same tiles. The fewest splits within tuning.prefill_split_gain
+    of the best."""
     tiles_a_wave = slots / head_groups
     candidates = [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if s <= min(most, MAX_SPLITS)]
     best, best_cost = 1, math.inf
@@ -650,12 +492,12 @@ def choose_prefill_splits(keys_seen: np.ndarray, head_groups: int, slots: int, l
         split_tokens = -(-per_split // tile) * tile   # whole tiles
         starts = np.arange(splits, dtype=np.int64) * split_tokens
         work = np.clip(keys_seen[:, None].astype(np.int64) - starts[None, :], 0, split_tokens)
-        blocks = np.sort(work[work > 0])[::-1] + PREFILL_BLOCK_KEYS
+        blocks = np.sort(work[work > 0])[::-1] + tuning.prefill_block_keys
         if len(blocks) == 0:
             return 1
         firsts = (np.arange(math.ceil(len(blocks) / tiles_a_wave)) * tiles_a_wave).astype(np.int64)
         cost = float(blocks[firsts].sum())
-        if cost < best_cost * PREFILL_SPLIT_GAIN:
+        if cost < best_cost * tuning.prefill_split_gain:
             best, best_cost = splits, cost
     return best
 
@@ -757,9 +599,9 @@ class Plan:
     rotations: dict = field(default_factory=dict)
     builds: dict = field(default_factory=dict)   # for_query's builds, by query dtype and rotation
     handles: dict = field(default_factory=dict)  # CUfunctions for cuda_launch: builds, merges by output dtype
-    # sm_90 and newer: the merge (and, with DEPENDENT_ATTENTION, the attention grid)
-    # launched as programmatic dependents (cuda_launch).
-    dependent_merge: bool = False
+    # sm_90 and newer (unless the tuning says otherwise): the attention grid and the
+    # merge launched as programmatic dependents (cuda_launch).
+    dependent_launch: bool = False
 
     def rotation_operands(self, rotation, head_pad: int, kv: int, device):
         """rotation_fragments on the device, made once per plan and rotation."""
@@ -829,6 +671,9 @@ class Plan:
 
 def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) -> Plan:
     import cupy
+    tuning = DEFAULT_TUNING if batch.tuning is None else batch.tuning
+    if not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning={tuning!r}: the CUDA backend takes a kvcupy.backends.cuda_attention.Tuning")
     if cache.block_size & (cache.block_size - 1):
         # attention.cuh finds a token's page and slot by shift and mask.
         raise ValueError(f"block_size={cache.block_size}: the CUDA attention kernels need a power of two "
@@ -843,11 +688,11 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
     query_lens = None if offsets is None else np.diff(offsets)
     max_rows = group * (int(query_lens.max(initial=1)) if query_lens is not None else num_query_tokens)
     capability = _compute_capability(device)
-    kernel = _choose_kernel(cache, kv, max_rows, capability)
-    if max_rows >= PREFILL_MIN_ROWS and kernel.head_pad <= PREFILL_MAX_HEAD_PAD:
+    kernel = _choose_kernel(cache, kv, max_rows, capability, tuning)
+    if max_rows >= tuning.prefill_min_rows and kernel.head_pad <= PREFILL_MAX_HEAD_PAD:
         rotated = cache.rotation is not None and not cache.rotation.is_identity
         kernel = _prefill_kernel(kv, kernel.head_pad, _copy_granule(cache, _stored_row_bytes(cache, kv)), capability,
-                                 longest, rotated)
+                                 longest, rotated, tuning)
     rows_per_tile = kernel.rows_per_tile
     if query_lens is not None:
         row_tiles = -(-query_lens * group // rows_per_tile)
@@ -871,81 +716,81 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
         sms = cupy.cuda.Device(device.index).attributes["MultiProcessorCount"]
 
     def split_keys(kernel: Kernel) -> tuple[int, int]:
-        most = max(1, -(-longest // (MIN_TILES_PER_SPLIT * kernel.tile)))
+        most = min(tuning.max_splits, max(1, -(-longest // (tuning.min_tiles_per_split * kernel.tile))))
         slots = sms * kernel.blocks_per_sm
         if keys_seen is not None:
-            splits = choose_prefill_splits(keys_seen, head_groups, slots, longest, kernel.tile, most)
+            splits = choose_prefill_splits(keys_seen, head_groups, slots, longest, kernel.tile, most, tuning)
         else:
             splits = choose_splits(len(tiles) * head_groups, slots, most)
         split_tokens = -(-longest // splits)
         split_tokens = -(-split_tokens // kernel.tile) * kernel.tile
         return -(-longest // split_tokens), split_tokens
 
-    kernel, splits, split_tokens = _fit_tile_to_splits(kernel, split_keys)
+    kernel, splits, split_tokens = _fit_tile_to_splits(kernel, split_keys, tuning)
     return Plan(kernel, _upload(tiles, device), len(tiles), splits, split_tokens, head_groups,
-                dependent_merge=capability >= cuda_launch.MIN_COMPUTE_CAPABILITY)
+                dependent_launch=tuning.dependent_launch and capability >= cuda_launch.MIN_COMPUTE_CAPABILITY)
 
 
 def _prefill_kernel(kv: int, head_pad: int, chunk: int, capability: int, longest: int,
-                    rotated: bool) -> PrefillKernel:
+                    rotated: bool, tuning: Tuning) -> PrefillKernel:
     """The prefill build for a batch whose longest sequence holds `longest` keys, over a
-    cache with a rotation or not: wgmma on sm_90 (16-bit caches with
-    PREFILL_WGMMA_AUTO), with the producer warpgroup (PREFILL_PRODUCER) from
-    producer_min_keys keys; mma.sync otherwise. Without the producer, the
-    build for short prompts where it applies (PREFILL_UNROTATED, PREFILL_SHORT_*)."""
-    takes_wgmma = kv in (KV_INT4, KV_INT8, KV_FP8) or PREFILL_WGMMA_AUTO
-    wgmma = PREFILL_WGMMA and capability == 90 and takes_wgmma
-    producer = PREFILL_PRODUCER and longest >= producer_min_keys(kv, chunk, rotated)
+    cache with a rotation or not: wgmma on sm_90 (tuning.prefill_wgmma), with the
+    producer warpgroup from producer_min_keys keys; mma.sync otherwise. Without
+    the producer, a build without the rotation's code for caches without one
+    (fewer registers), and the short build (fewer warps, two blocks a
+    multiprocessor) up to tuning.prefill_short_keys keys, whose blocks spend
+    their time mostly on the query's loads and the output's stores."""
+    wgmma = tuning.prefill_wgmma and capability == 90
+    producer = longest >= producer_min_keys(kv, chunk, rotated, tuning)
     kernel = PrefillKernel.planned(kv, head_pad, chunk, wgmma, producer=producer)
     if not wgmma or kernel.producer:
         return kernel
-    if PREFILL_UNROTATED and not rotated:
+    if not rotated:
         kernel = replace(kernel, rotated=False)
-    if longest <= PREFILL_SHORT_KEYS and (PREFILL_SHORT_ROTATED or not kernel.rotated):
-        short = replace(kernel, warps=PREFILL_SHORT_WARPS, tile=PREFILL_SHORT_TILE, min_blocks=PREFILL_SHORT_BLOCKS)
-        if short.blocks_per_sm >= PREFILL_SHORT_BLOCKS:   # (16-bit rows at d = 128 do not fit twice)
+    if longest <= tuning.prefill_short_keys:
+        short = replace(kernel, warps=tuning.prefill_short_warps, tile=tuning.prefill_short_tile,
+                        min_blocks=tuning.prefill_short_blocks)
+        if short.blocks_per_sm >= tuning.prefill_short_blocks:   # (16-bit rows at d = 128 do not fit twice)
             kernel = short
     return kernel
 
 
-def producer_min_keys(kv: int, chunk: int, rotated: bool) -> int:
+def producer_min_keys(kv: int, chunk: int, rotated: bool, tuning: Tuning = DEFAULT_TUNING) -> int:
     """Keys (the longest sequence's) from which the prefill takes the producer build:
-    PREFILL_PRODUCER_MIN_KEYS_ROTATED for quantized caches with a rotation and
-    16-byte copies, else PREFILL_PRODUCER_MIN_KEYS."""
+    fewer for quantized caches with a rotation and 16-byte copies, whose staging
+    takes each stager's piece once."""
     if kv in (KV_INT4, KV_INT8, KV_FP8) and rotated and chunk >= 16:
-        return min(PREFILL_PRODUCER_MIN_KEYS, PREFILL_PRODUCER_MIN_KEYS_ROTATED)
-    return PREFILL_PRODUCER_MIN_KEYS
+        return min(tuning.prefill_producer_min_keys, tuning.prefill_producer_min_keys_rotated)
+    return tuning.prefill_producer_min_keys
 
 
-def _short_prompt_builds(kv: int, head_pad: int, chunk: int) -> list:
+def _short_prompt_builds(kv: int, head_pad: int, chunk: int, tuning: Tuning = DEFAULT_TUNING) -> list:
     """The sm_90 builds without the producer that _prefill_kernel can take (rotated or
-    not, up to PREFILL_SHORT_KEYS keys and beyond), each once."""
+    not, up to tuning.prefill_short_keys keys and beyond), each once."""
     builds = []
     for rotated in (True, False):
-        for longest in (PREFILL_SHORT_KEYS, PREFILL_SHORT_KEYS + 1):
-            below_producer = producer_min_keys(kv, chunk, rotated) - 1
-            kernel = _prefill_kernel(kv, head_pad, chunk, 90, min(longest, below_producer), rotated)
+        for longest in (tuning.prefill_short_keys, tuning.prefill_short_keys + 1):
+            below_producer = producer_min_keys(kv, chunk, rotated, tuning) - 1
+            kernel = _prefill_kernel(kv, head_pad, chunk, 90, min(longest, below_producer), rotated, tuning)
             if kernel not in builds:
                 builds.append(kernel)
     return builds
 
 
-def _fit_tile_to_splits(kernel, split_keys) -> tuple:
+def _fit_tile_to_splits(kernel, split_keys, tuning: Tuning) -> tuple:
     """The kernel with a tile its splits are long enough for, its splits and keys a
-    split (split_keys(kernel)). A decode kernel's 64-token tiles step down to 32
-    where a split would hold fewer than DECODE_LONG_TILE_MIN_SPLIT_TOKENS keys,
-    then any longer tile to 16 below LONG_SPLIT_TOKENS; each step splits again
-    (shorter tiles allow more splits); before those, a two-block build of 64-token
-    tiles (_long_tile) takes one block of three stages where a split would hold
-    fewer than DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS keys. Prefill kernels keep theirs."""
+    split (split_keys(kernel)). A two-block build of 64-token tiles (_long_tile)
+    takes one block of three stages where a split would hold fewer than
+    tuning.two_block_min_split_tokens keys; 64-token tiles step down to 32 where a
+    split would hold fewer than tuning.long_tile_min_split_tokens; each step
+    splits again (shorter tiles allow more splits). Prefill kernels keep theirs."""
     splits, split_tokens = split_keys(kernel)
     while isinstance(kernel, Kernel):
-        if kernel.tile == DECODE_LONG_TILE and kernel.rows_before and split_tokens < DECODE_TWO_BLOCK_MIN_SPLIT_TOKENS:
+        if (kernel.tile == DECODE_LONG_TILE and kernel.rows_before
+                and split_tokens < tuning.two_block_min_split_tokens):
             kernel = replace(kernel, stages=STAGES)   # one block of three stages
-        elif kernel.tile == DECODE_LONG_TILE and split_tokens < DECODE_LONG_TILE_MIN_SPLIT_TOKENS:
+        elif kernel.tile == DECODE_LONG_TILE and split_tokens < tuning.long_tile_min_split_tokens:
             kernel = replace(kernel, tile=DECODE_ROUND_TILE)
-        elif kernel.tile > 16 and split_tokens < LONG_SPLIT_TOKENS:
-            kernel = replace(kernel, tile=16)
         else:
             break
         splits, split_tokens = split_keys(kernel)
@@ -1134,15 +979,9 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             cache.key_cache.shape[3] * cache.key_cache.itemsize, cache.block_size,
             int(cache.block_size).bit_length() - 1, cache.num_blocks, table.shape[1], plan.split_tokens,
             sliding_window or 0, softcap, code_unit, *io)
-        if PACKED_LAUNCH:
-            cuda_launch.launch(plan.entry_handle(kernel), grid, (kernel.threads,), ATTENTION_SIGNATURE,
-                               attention_args, stream=cupy.cuda.get_current_stream().ptr,
-                               shared_bytes=kernel.shared_bytes,
-                               dependent=plan.dependent_merge and DEPENDENT_ATTENTION)
-        else:
-            plan.entry_function(kernel)(grid, (kernel.threads,),
-                                        cuda_launch.numpy_arguments(ATTENTION_SIGNATURE, attention_args),
-                                        shared_mem=kernel.shared_bytes)
+        cuda_launch.launch(plan.entry_handle(kernel), grid, (kernel.threads,), ATTENTION_SIGNATURE,
+                           attention_args, stream=cupy.cuda.get_current_stream().ptr,
+                           shared_bytes=kernel.shared_bytes, dependent=plan.dependent_launch)
         if direct:
             return
         # 3. Merge the splits (and the sinks), rotating back into `out` (none or
@@ -1155,7 +994,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
                       target, np.int32(plan.num_splits), np.int32(num_tokens), np.int32(num_heads),
                       np.int32(head_size), np.int32(split_warps), *signs,
                       np.float32(1.0 / (rotation.norm if rotated else 1)))
-        if plan.dependent_merge and DEPENDENT_MERGE:
+        if plan.dependent_launch:
             # Its blocks start as the attention's leave, not after the launch gap.
             cuda_launch.launch(plan.merge_handle(target_dtype), merge_grid, (32 * MERGE_WARPS,), MERGE_SIGNATURE,
                                merge_args, stream=cupy.cuda.get_current_stream().ptr, dependent=True)
@@ -1190,10 +1029,11 @@ def specialisations(all: bool) -> list:
                         # Every staging: bulk or row copies on sm_90 where the pages allow them (16-bit caches: rows).
                         quantized = kv in (KV_INT4, KV_INT8, KV_FP8)
                         stagings = (STAGE_THREADS, STAGE_BULK, STAGE_ROWS) if quantized else (STAGE_THREADS, STAGE_ROWS)
-                        settled = [_settle_staging(_round_tile(Kernel(kv, head_pad, heads, quads, tile, 16, staging)),
+                        settled = [_settle_staging(_round_tile(Kernel(kv, head_pad, heads, quads, tile, 16, staging),
+                                                               DEFAULT_TUNING),
                                                    quantized)
                                    for staging in stagings]
-                        longer = [_long_tile(kernel) for kernel in settled]
+                        longer = [_long_tile(kernel, DEFAULT_TUNING) for kernel in settled]
                         # and the one-block build that the two-block one's short splits take
                         one_block = [replace(kernel, stages=STAGES) for kernel in longer if kernel.rows_before]
                         kernels += settled + [kernel for kernel in longer + one_block if kernel not in settled]
@@ -1205,13 +1045,13 @@ def specialisations(all: bool) -> list:
                         kernels.append(replace(kernels[-1], direct=True))
     else:
         int4_rows = Kernel(KV_INT4, 128, 8, 1, DECODE_ROUND_TILE, 16, STAGE_ROWS)
-        kernels = [int4_rows, _long_tile(int4_rows),
+        kernels = [int4_rows, _long_tile(int4_rows, DEFAULT_TUNING),
                    Kernel(KV_INT4, 96, 8, 4, 32, 4),
                    Kernel(KV_INT4, 64, 2, 2, 32, 1), Kernel(KV_INT8, 256, 8, 2, 16, 16),
                    Kernel(KV_FP8, 128, 4, 4, 16, 16, STAGE_ROWS), Kernel(KV_FP8, 128, 8, 1, 32, 16, STAGE_ROWS),
                    Kernel(KV_INT8, 96, 8, 1, 32, 16, STAGE_BULK, 2), Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS),
-                   _long_tile(Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS)),
-                   replace(_long_tile(Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS)), stages=STAGES),
+                   _long_tile(Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS), DEFAULT_TUNING),
+                   replace(_long_tile(Kernel(KV_INT4, 96, 8, 1, 32, 16, STAGE_ROWS), DEFAULT_TUNING), stages=STAGES),
                    Kernel(KV_F16, 128, 4, 1, 16, 16), Kernel(KV_BF16, 128, 4, 1, 16, 16, STAGE_ROWS),
                    Kernel(KV_BF16, 96, 4, 2, 16, 8), Kernel(KV_BF16, 64, 4, 1, 16, 16),
                    PrefillKernel.planned(KV_INT4, 128, 16, False), PrefillKernel.planned(KV_INT8, 96, 4, False),

@@ -129,17 +129,6 @@ def pack_parameters(signature: str, args: tuple) -> bytes:
     return layout.pack(*values)
 
 
-_NUMPY_TYPES = {"i": np.int32, "q": np.int64, "I": np.uint32, "Q": np.uint64, "f": np.float32, "d": np.float64}
-
-
-def numpy_arguments(signature: str, args: tuple) -> tuple:
-    """`args` for CuPy's own launch, which types each argument by its Python type:
-    scalars as the NumPy type of their code, pointers as given."""
-    if len(args) != len(signature):
-        raise ValueError(f"signature {signature!r} takes {len(signature)} arguments, not {len(args)}")
-    return tuple(value if code == "P" else _NUMPY_TYPES[code](value) for code, value in zip(signature, args))
-
-
 @functools.lru_cache(maxsize=256)
 def launch_config(grid: tuple, block: tuple, shared_bytes: int, stream: int, dependent: bool) -> LaunchConfig:
     """The CUlaunchConfig of a launch, as a programmatic dependent or plain (cached:
