@@ -50,3 +50,21 @@ def test_ci_runs_the_readme_test_command():
     commands = re.findall(r"```sh\n(.*?)\n```", README, re.S)
     test_command = next(c for c in commands if "pytest" in c)
     assert test_command in (ROOT / ".ci" / "run").read_text()
+
+
+# Words of a lab report, not of documentation: the loan of a machine, a run's
+# number, a date of work, an issue number, a folder of a measuring harness.
+LAB_REPORT = re.compile(r"\bsessions?\b|\blent\b|\bdevice calls?\b|\$OUT\b|\brun\d+\b"
+                        r"|\b20\d\d-\d\d-\d\d\b|(?<![\w&])#\d+\b", re.I)
+
+
+@pytest.mark.parametrize("document", ["README.md", *sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
+def test_documents_describe_the_product_not_its_history(document):
+    found = [(number, line.strip()) for number, line in
+             enumerate((ROOT / document).read_text().splitlines(), 1) if LAB_REPORT.search(line)]
+    assert not found, f"{document}: {found[:5]}"
+
+
+def test_readme_stays_short():
+    assert len(README.splitlines()) <= 250
