@@ -35,6 +35,7 @@
 // channel order. key_dim_of / value_dim_of spell out those permutations.
 #pragma once
 
+#include "ptx.cuh"
 #include "types.cuh"
 
 // How tiles reach shared memory (KVC_STAGING). 0: every thread copies pieces with
@@ -62,12 +63,6 @@
 // Either mbarrier pipeline (bulk or row copies).
 #define KVC_MBARRIERS (KVC_STAGING != KVC_STAGE_THREADS)
 
-// 16-token steps a softmax round (Attention::run); 0: a tile's where a warp
-// holds one quad of rows, else one. Other values are for timing variants.
-#ifndef KVC_ROUND_STEPS
-#define KVC_ROUND_STEPS 0
-#endif
-
 // Row staging: each thread issues its copies of the next tile before computing
 // the current one (after every warp has left that stage), not after: two stages
 // then keep a tile in flight (two blocks a multiprocessor at d = 96).
@@ -75,78 +70,12 @@
 #define KVC_ROWS_BEFORE 0
 #endif
 
-// Row staging: threads a token's rows, forced (timing variants; 0: stage_rows' rule).
-#ifndef KVC_ROW_LANES
-#define KVC_ROW_LANES 0
-#endif
-
-// Diagnostics only (the launcher never sets it): stage every tile and skip the
-// math, to time the copy pipeline alone. Outputs are meaningless.
-#ifndef KVC_STAGING_ONLY
-#define KVC_STAGING_ONLY 0
-#endif
-// Diagnostics: with row staging, stage the first STAGES - 1 tiles only and
-// compute every tile on them (the math alone; outputs meaningless).
-#ifndef KVC_COMPUTE_ONLY
-#define KVC_COMPUTE_ONLY 0
-#endif
-
-// Diagnostics (tools/decode_trace.py; the launcher never sets it): KVC_TRACE = N
-// gives the module a table of N blocks x KVC_TRACE_MARKS global-timer stamps
-// (ns), written by thread 0 of the first N blocks at their milestones (trace_mark).
-#ifndef KVC_TRACE
-#define KVC_TRACE 0
-#endif
-#define KVC_TRACE_MARKS 16   // tools/decode_trace.py: MARKS
-#if KVC_TRACE
-extern "C" {
-__device__ unsigned long long kvc_trace[KVC_TRACE * KVC_TRACE_MARKS];
-}
-#endif
-
 namespace kvc_attn {
 
-using kvc::u16;
-using kvc::u32;
-using kvc::u8;
-using kvc::pack_bf162;
-using kvc::pack_half2;
-using kvc::unpack_bf162;
-using kvc::unpack_half2;
+using namespace kvc;   // types, conversions and the PTX wrappers (ptx.cuh)
 
 enum { KV_INT4 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_F16 = 3, KV_BF16 = 4 };
 
-// Trace marks (KVC_TRACE), in tools/decode_trace.py's order; the merge stamps
-// kTraceStart, kTraceDone and kTraceSm; the prefill kernel (prefill.cuh,
-// tools/prefill_trace.py) the first six, kTraceCopiesOut, kTraceQueryReady
-// and its own last three.
-enum TraceMark {
-  kTraceStart, kTraceLoop, kTraceFirstTile, kTraceLoopExit, kTraceDone,
-  kTraceSm,                           // not a time: the multiprocessor's id
-  kTraceHalf, kTraceThreeQuarters,    // half and three quarters of the tiles in
-  kTracePageIds, kTraceCopiesOut, kTraceQueryReady,   // the prologue's steps
-  // prefill: the rows normalised before the inverse rotation, the first tile
-  // landed, the query rotated in registers (decode: its first quad rotated)
-  kTraceOutputNormalised, kTraceFirstLanded, kTraceQueryRotated,
-  // decode: the first quad's query bits in, the block past its barriers' setup
-  kTraceQueryIn, kTraceBarriers
-};
-__device__ __forceinline__ void trace_mark(TraceMark mark) {
-#if KVC_TRACE
-  if (threadIdx.x != 0) return;
-  const long long block = blockIdx.x + static_cast<long long>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (block >= KVC_TRACE) return;
-  unsigned long long stamp;
-  if (mark == kTraceSm) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    stamp = sm;
-  } else {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(stamp));
-  }
-  kvc_trace[block * KVC_TRACE_MARKS + mark] = stamp;
-#endif
-}
 
 // --- compile-time shape ----------------------------------------------------
 
@@ -254,157 +183,6 @@ struct Params {
 
 // Dtype codes of query_in and out (cuda_attention.DTYPE_CODES).
 constexpr int kDtypeF32 = 0, kDtypeF16 = 1, kDtypeBf16 = 2;
-
-// --- small helpers ---------------------------------------------------------
-
-__device__ __forceinline__ u32 lop_and_or(u32 x, u32 mask, u32 bits) {
-  u32 r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));  // (x & m) | b
-  return r;
-}
-
-// a - b on fp16 pairs (exact where both are integers under 2048).
-__device__ __forceinline__ u32 sub_half2(u32 a, u32 b) {
-  u32 r;
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
-  u32 r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
-  return r;
-}
-
-
-template <bool BF16>
-__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-  if constexpr (BF16) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-                 "{%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-                 "{%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ void cp_async(void* shared, const void* global, int bytes_valid, int size) {
-  u32 address = static_cast<u32>(__cvta_generic_to_shared(shared));
-  if (size == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(bytes_valid));
-  } else if (size == 8) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(address), "l"(global), "r"(bytes_valid));
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(address), "l"(global), "r"(bytes_valid));
-  }
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-// mbarrier and bulk copies (sm_90): a stage's barrier completes when every
-// thread has arrived and the bytes each announced have landed. Older archs
-// compile them to traps: the launcher never picks bulk staging there.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define KVC_SM90(statement) __trap()
-#else
-#define KVC_SM90(statement) statement
-#endif
-
-__device__ __forceinline__ u32 shared_address(const void* pointer) {
-  return static_cast<u32>(__cvta_generic_to_shared(pointer));
-}
-
-__device__ __forceinline__ void mbarrier_init(void* barrier, int count) {
-  KVC_SM90(asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(count)
-                        : "memory"));
-}
-
-__device__ __forceinline__ void mbarrier_arrive_expect(void* barrier, u32 bytes) {
-  KVC_SM90(asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                        ::"r"(shared_address(barrier)), "r"(bytes) : "memory"));
-}
-
-__device__ __forceinline__ void mbarrier_arrive(void* barrier) {
-  KVC_SM90(asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(barrier)) : "memory"));
-}
-
-__device__ __forceinline__ void mbarrier_wait(void* barrier, u32 parity) {
-  u32 done = 0;
-  while (!done) {
-    KVC_SM90(asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                          " selp.u32 %0, 1, 0, p;\n}\n"
-                          : "=r"(done) : "r"(shared_address(barrier)), "r"(parity) : "memory"));
-  }
-}
-
-// Orders shared-memory accesses this thread has seen (generic proxy) before its
-// later bulk copies (async proxy).
-__device__ __forceinline__ void fence_proxy_async() {
-  KVC_SM90(asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"));
-}
-
-__device__ __forceinline__ void bulk_copy(void* shared, const void* global, u32 bytes, void* barrier) {
-  KVC_SM90(asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                        ::"r"(shared_address(shared)), "l"(global), "r"(bytes), "r"(shared_address(barrier))
-                        : "memory"));
-}
-
-// shared -> global, `bytes` (a multiple of 16, both ends 16-byte aligned) by the
-// copy engine; bulk_stores_read waits until every such copy this thread issued
-// has read its source (the shared memory may then change or go away).
-__device__ __forceinline__ void bulk_store(void* global, const void* shared, u32 bytes) {
-  KVC_SM90(asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-                        ::"l"(global), "r"(shared_address(shared)), "r"(bytes) : "memory"));
-}
-
-__device__ __forceinline__ void bulk_stores_read() {
-  KVC_SM90(asm volatile("cp.async.bulk.commit_group;\n cp.async.bulk.wait_group.read 0;\n" ::: "memory"));
-}
-
-// The barrier's arrival of this thread, fired once every cp.async it issued
-// before has landed; .noinc: that arrival is one of the count the barrier was
-// initialised with (row staging: one a thread and phase).
-__device__ __forceinline__ void cp_async_arrive_noinc(void* barrier) {
-  KVC_SM90(asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(barrier))
-                        : "memory"));
-}
-
-// 2^x to ~2 ulp (MUFU.EX2); exact 0 for -inf, NaN for NaN.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float max_over_quad(float x) {   // the 4 lanes of one groupID
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
-__device__ __forceinline__ float sum_over_quad(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-// Over the 8 lanes g of one t: the tokens of a score fragment's columns.
-__device__ __forceinline__ float max_over_columns(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
-}
-
-__device__ __forceinline__ float sum_over_columns(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 4);
-  x += __shfl_xor_sync(0xffffffffu, x, 8);
-  return x + __shfl_xor_sync(0xffffffffu, x, 16);
-}
 
 // --- what a lane reads of a row ------------------------------------------------
 
@@ -735,9 +513,7 @@ struct Attention {
     // a warp takes whole 128-byte lines of four tokens' rows (with four, half lines of
     // eight: int4 d = 128 64-token tiles, the copies alone 3.77 against 4.08 TB/s on
     // the H200), in several passes a tile where the block is short of threads.
-    constexpr int kLanesPerToken = KVC_ROW_LANES > 0            ? KVC_ROW_LANES
-                                   : T::kHeadsBytes >= 128 && T::kThreads / TILE < 8 ? 8
-                                                                                     : T::kThreads / TILE;
+    constexpr int kLanesPerToken = T::kHeadsBytes >= 128 && T::kThreads / TILE < 8 ? 8 : T::kThreads / TILE;
     static_assert(T::kThreads % kLanesPerToken == 0 && TILE % (T::kThreads / kLanesPerToken) == 0,
                   "whole threads a token, whole passes a tile");
     constexpr int kTokensPerPass = T::kThreads / kLanesPerToken;
@@ -1031,8 +807,6 @@ struct Attention {
 
   static __device__ void run(const Params& p, int block_shift) {
     extern __shared__ __align__(16) u8 smem[];
-    trace_mark(kTraceStart);
-    trace_mark(kTraceSm);
     // Score product S^T[token, column] = K[token, :] . Q^T[:, column] per quad of
     // 4 query rows: column 2r + part is row r's high (part 0) or low (part 1)
     // fp16 half, so thread (g, t) ends with the scores of row t, tokens g and
@@ -1044,7 +818,7 @@ struct Attention {
     // softmax of: rescaling them needs no shuffle.
     constexpr int NP = (QUADS + 1) / 2;                   // output column tiles
     // 16-token steps a softmax round (the loop over a tile's keys).
-    constexpr int GS = KVC_ROUND_STEPS > 0 ? KVC_ROUND_STEPS : QUADS == 1 ? TILE / 16 : 1;
+    constexpr int GS = QUADS == 1 ? TILE / 16 : 1;
     static_assert(TILE % (16 * GS) == 0, "whole rounds a tile");
     constexpr bool kLowSlot = QUADS % 2 == 1;             // the last tile's j = 1: low halves
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1100,18 +874,9 @@ struct Attention {
     // Warp 0 stages the tiles under bulk copies, every warp otherwise: those keep the window.
     PageWindow window{};
     if (KVC_STAGING != KVC_STAGE_BULK || warp == 0) window = first_window(p, table, key_lo, key_hi, block_shift);
-    if (KVC_TRACE) {
-      asm volatile("" ::"r"(window.current));   // the stamp waits for the ids
-      trace_mark(kTracePageIds);
-    }
     if (own_query) {
-      if (KVC_TRACE) {
-        asm volatile("" ::"r"(query_bits.rows[0][0]));   // the stamp waits for the query's bits
-        trace_mark(kTraceQueryIn);
-      }
       rotate_query_quad(p, query_bits, query_rows);
       __syncwarp();
-      trace_mark(kTraceQueryRotated);
     }
     if constexpr (KVC_STAGING == KVC_STAGE_ROWS) {
       if (threadIdx.x < STAGES) {
@@ -1119,7 +884,6 @@ struct Attention {
         mbarrier_init(barriers + 8 * (STAGES + threadIdx.x), T::kThreads);    // every reader
       }
       __syncthreads();
-      trace_mark(kTraceBarriers);
 #pragma unroll
       for (int s = 0; s < STAGES - 1; ++s) {
         if (s < num_tiles) {
@@ -1154,7 +918,6 @@ struct Attention {
       }
     }
 
-    trace_mark(kTraceCopiesOut);
     // Query fragments: lane (g, t) holds column g of each quad, i.e. the high
     // (g even) or low (g odd) fp16 part of row g / 2. Per row: row_unscale,
     // offset_weight and zero_point_weight (what the products' code offsets add
@@ -1224,7 +987,6 @@ struct Attention {
     }
 
     // Every warp is done with its query rows before copies land there (tile 0's loop).
-    trace_mark(kTraceQueryReady);
     if (own_query) __syncthreads();
     // Row staging, copies after the tile, 64-token tiles (int4 decode's, which
     // the planner takes for splits of 1024 keys or more): the last stage is free
@@ -1235,7 +997,7 @@ struct Attention {
     // keep the copies after tile 0: with five 32-token tiles a split (4 x 4096)
     // it lost 2%, and a run-time test of the split's length cost the long
     // splits 1-2% (docs/gpu-notes.md, Decode).
-    constexpr bool kEarlyLast = KVC_STAGING == KVC_STAGE_ROWS && !KVC_ROWS_BEFORE && !KVC_COMPUTE_ONLY && TILE >= 64;
+    constexpr bool kEarlyLast = KVC_STAGING == KVC_STAGE_ROWS && !KVC_ROWS_BEFORE && TILE >= 64;
     if constexpr (kEarlyLast) {
       constexpr int kLast = STAGES - 1;
       if (kLast < num_tiles) {
@@ -1277,13 +1039,12 @@ struct Attention {
     }
     float reference = kQuantized ? 0.f : 1.f;   // R: the V scale the accumulators are in
 
-    trace_mark(kTraceLoop);
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int next = tile + STAGES - 1;   // the tile whose copies go out with this one
       const int next_base = key_lo + next * TILE;
       if constexpr (KVC_STAGING == KVC_STAGE_ROWS) {
-        if (!KVC_COMPUTE_ONLY || tile < STAGES - 1) mbarrier_wait(barriers + 8 * (tile % STAGES), (tile / STAGES) & 1);
-        if (KVC_ROWS_BEFORE && !KVC_COMPUTE_ONLY && next < num_tiles) {
+        mbarrier_wait(barriers + 8 * (tile % STAGES), (tile / STAGES) & 1);
+        if (KVC_ROWS_BEFORE && next < num_tiles) {
           // Its stage last held tile - 1: every warp must be done with that.
           if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
           slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
@@ -1311,9 +1072,6 @@ struct Attention {
         }
         cp_async_commit();   // (an empty group at the end keeps wait_group's count in step)
       }
-      if (tile == 0) trace_mark(kTraceFirstTile);
-      if (tile == num_tiles / 2) trace_mark(kTraceHalf);
-      if (tile == 3 * num_tiles / 4) trace_mark(kTraceThreeQuarters);
       const int base = key_lo + tile * TILE;
       const u8* keys = smem + (tile % STAGES) * T::kStageBytes + warp * T::kRowBytes;
       const u8* values = keys + T::kKeyBytes;
@@ -1328,7 +1086,7 @@ struct Attention {
       // (H200, tools/decode_variants.py, alternating runs): 2.93-2.94 TB/s
       // against 2.67-2.70 for the two steps unrolled one round each.
 #pragma unroll 1
-      for (int round = 0; round < (KVC_STAGING_ONLY ? 0 : TILE / (16 * GS)); ++round) {
+      for (int round = 0; round < TILE / (16 * GS); ++round) {
         const int first_step = round * GS;
         // Scores of tokens g (c0 + c1) and g + 8 (c2 + c3) of each step, row t of each quad.
         float score[GS][QUADS][4];
@@ -1526,7 +1284,7 @@ struct Attention {
         }
       }
       if constexpr (KVC_MBARRIERS) mbarrier_arrive(barriers + 8 * (STAGES + tile % STAGES));   // done with the stage
-      if constexpr (KVC_STAGING == KVC_STAGE_ROWS && !KVC_COMPUTE_ONLY && !KVC_ROWS_BEFORE) {
+      if constexpr (KVC_STAGING == KVC_STAGE_ROWS && !KVC_ROWS_BEFORE) {
         if (next < num_tiles && (!kEarlyLast || next >= STAGES)) {   // (or it went out before the loop)
           // Its stage last held tile - 1: every warp must be done with that.
           if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
@@ -1537,7 +1295,6 @@ struct Attention {
       }
     }
     cp_async_wait<0>();
-    trace_mark(kTraceLoopExit);
 
     // Partial state of this split: max and sum per row (lanes g == 0), and the
     // accumulators times R in the cache's channel order.
@@ -1564,26 +1321,9 @@ struct Attention {
         }
       }
     }
-    trace_mark(kTraceDone);
   }
 };
 
-// Programmatic dependent launch (sm_90; cuda_launch.py): the attention grid
-// is launched so that its blocks may start while the kernel ahead of it still
-// runs, and the merge so that its blocks may start while the attention grid
-// runs. Each waits for the grid ahead (its results visible) before reading
-// anything, and only then lets its own dependent in. Launched plainly, both
-// instructions are no-ops.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(KVC_NO_PTX)
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_prerequisites() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(KVC_NO_PTX)
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 // An attention entry's first step (attention.cu: the decode and prefill
 // kernels): nothing is read before the kernel ahead is done, and only then may
@@ -1618,8 +1358,6 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
                              const u32* signs, int sign_shift, float out_factor) {
   __shared__ float weights[kMergeWarps][kMergeMaxSplits];
   __shared__ float partial[kMergeWarps][32 * kMergeSlots];
-  trace_mark(kTraceStart);
-  trace_mark(kTraceSm);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int phase = warp & (split_warps - 1);   // < num_splits (host)
   const long long rows = static_cast<long long>(num_tokens) * num_heads;
@@ -1642,7 +1380,6 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
     for (int k = 0; k < kMergeSlots; ++k) sign_words[k] = sign_shift >= 0 ? __ldg(signs + k) : 0u;
     wait_for_prerequisites();
     allow_dependent_launch();   // the next call's attention grid, which waits for this one (attention.cu)
-    trace_mark(kTraceLoop);   // the attention grid's results visible
     const float* first_row = part_out + (phase * rows + row) * head_size;
 #pragma unroll
     for (int k = 0; k < kMergeSlots; ++k) merged[k] = lane + 32 * k < head_size ? first_row[lane + 32 * k] : 0.f;
@@ -1710,7 +1447,6 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
     const int c = lane + 32 * k;
     if (c < head_size) out[row * static_cast<long long>(head_size) + c] = kvc::from_float<OUT>(merged[k]);
   }
-  trace_mark(kTraceDone);
 }
 
 }  // namespace kvc_attn

@@ -1291,7 +1291,6 @@ struct Prefill {
       }
       // The inverse rotation: the Sylvester factor across groups first, then the products.
       butterflies_across_groups(out, p.rotation_stages);
-      trace_mark(kTraceOutputNormalised);
       auto store_tile = [&](int n, const float (&y)[4]) {   // n tile n of rows g, g + 8
         const int channel = 8 * n + 2 * t;
 #pragma unroll
@@ -1419,8 +1418,6 @@ struct Prefill {
     const int kv_head = blockIdx.z;
     const bool producer = PRODUCER && warp >= kConsumerWarps;   // uniform across a warpgroup
     const int split = blockIdx.x;
-    trace_mark(kTraceStart);
-    trace_mark(kTraceSm);
 
     const int q_begin = p.cu_seqlens_q[seq];
     const int q_len = p.cu_seqlens_q[seq + 1] - q_begin;
@@ -1540,7 +1537,6 @@ struct Prefill {
         cp_async_commit();
       }
     }
-    trace_mark(kTraceCopiesOut);
     // The query rows as the score product's A operand, high and low fp16 halves
     // in this warp's part of shared memory ([part][row][logical dim], rows
     // padded like decoded ones), read back with ldmatrix once per tile: held in
@@ -1556,7 +1552,6 @@ struct Prefill {
     u32 query_fragments[PRODUCER ? KC : 1][4];
     if (kDirectQuery && bulk_query) {
       mbarrier_wait(query_barrier, 0);
-      trace_mark(kTraceQueryRotated);
       direct_query(p, decoded, query_rows, row_valid, row_unscale);
       fence_proxy_async();   // read by wgmma after the loop's first barrier
       __syncwarp();
@@ -1573,7 +1568,6 @@ struct Prefill {
         }
         registers_up<kConsumerRegs>();
       }
-      trace_mark(kTraceQueryRotated);
       float largest[2] = {0.f, 0.f};
 #pragma unroll
       for (int kc = 0; kc < KC; ++kc)
@@ -1611,7 +1605,6 @@ struct Prefill {
       if constexpr (WGMMA && !PRODUCER) fence_proxy_async();   // read by wgmma after the loop's first barrier
       __syncwarp();
     }
-    trace_mark(kTraceQueryReady);
     const float exp_scale[2] = {row_unscale[0] * kLog2e, row_unscale[1] * kLog2e};
     // ldmatrix addresses of this lane: Q matrices rows 0-7 / 8-15 x dims +0 / +8.
     const u8* const query_lane = query_rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kDecodedStride + 16 * (lane >> 4);
@@ -1627,7 +1620,6 @@ struct Prefill {
     if (!PRODUCER && kDecoded && num_tiles > 0) {
       cp_async_wait<STAGES - 1>();
       __syncthreads();
-      trace_mark(kTraceFirstLanded);
       decode_tile(smem, decoded, stager);
     }
     // A tile's softmax, its scores in `score` (in place), its decoded scales: the
@@ -1746,7 +1738,6 @@ struct Prefill {
         }
       }
     };
-    trace_mark(kTraceLoop);
     if constexpr (PRODUCER) {
       // FlashAttention-3's order within a warpgroup: tile's score products, then
       // tile - 1's output products, both in flight while tile's softmax runs once
@@ -1757,7 +1748,6 @@ struct Prefill {
       const u8* previous_values = decoded;
       for (int tile = 0; tile < num_tiles; ++tile) {
         mbarrier_wait(full + 8 * (tile % kDecodedBuffers), (tile / kDecodedBuffers) & 1);
-        if (tile == 1) trace_mark(kTraceFirstTile);
         const u8* keys = decoded + (tile % kDecodedBuffers) * kDecodedBufferBytes;
         const u8* values = keys + kDecodedTensorBytes;
         const float* key_scales = reinterpret_cast<const float*>(keys + 2 * kDecodedTensorBytes);
@@ -1790,7 +1780,6 @@ struct Prefill {
     for (int tile = 0; tile < num_tiles && !PRODUCER; ++tile) {
       cp_async_wait<STAGES - 2>();   // quantized: tile + 1 landed; plain: tile
       __syncthreads();
-      if (tile == 1) trace_mark(kTraceFirstTile);   // tile 0's products issued and its softmax done
       const int next = tile + kAhead;
       if (next < num_tiles) {
         const int next_base = key_lo + next * TILE;
@@ -1881,13 +1870,11 @@ struct Prefill {
       kvc_wgmma::hold(out);
     }
     cp_async_wait<0>();
-    trace_mark(kTraceLoopExit);
     if constexpr (kProbabilityLift != 1.f) reference *= 1.f / kProbabilityLift;   // the accumulators' unit (exact)
 
     if (p.direct) {
       write_output(p, out, running_max, running_sum, reference, row_unscale, q_begin, row_begin, total_rows, kv_head,
                    row_valid, query_area, decoded, bulk_out, early_inverse);
-      trace_mark(kTraceDone);
       return;
     }
     // Partial state of this split: max and sum per row, the accumulators times R.
@@ -1909,7 +1896,6 @@ struct Prefill {
         }
       }
     }
-    trace_mark(kTraceDone);
   }
 };
 

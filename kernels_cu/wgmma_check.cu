@@ -3,7 +3,7 @@
 // (128 threads), sm_90a builds only. `swap` exchanges a descriptor's two
 // strides: the test shows that the product then goes wrong, i.e. that it
 // pins which stride is which.
-#include "attention.cuh"   // fence_proxy_async
+#include "ptx.cuh"   // fence_proxy_async
 #include "wgmma.cuh"
 
 using kvc::u16;
@@ -36,7 +36,7 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_scores(const u16* query,
   __shared__ __align__(128) u8 query_rows[2 * 64 * kDims * 2], key_rows[2 * kTokens * kDims * 2];
   to_core<64, kDims>(query, query_rows);
   to_core<kTokens, kDims>(keys, key_rows);
-  kvc_attn::fence_proxy_async();
+  kvc::fence_proxy_async();
   __syncthreads();
   const u32 along_k = swap ? 16 * kDims : 128, along_mn = swap ? 128 : 16 * kDims;
   float d[kTokens / 8][4] = {};
@@ -58,7 +58,7 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_values(const u16* p, con
   // Twice the rows' bytes: with swapped strides the product reads past them (still in bounds).
   __shared__ __align__(128) u8 value_rows[2 * kTokens * kOut * 2];
   to_core<kTokens, kOut>(values, value_rows);
-  kvc_attn::fence_proxy_async();
+  kvc::fence_proxy_async();
   __syncthreads();
   const int warp = threadIdx.x >> 5, g = (threadIdx.x >> 2) & 7, t = threadIdx.x & 3;
   const u32 along_k = swap ? 128 : 16 * kOut, along_mn = swap ? 16 * kOut : 128;

@@ -9,7 +9,7 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
   "tuning":  planner tunables, {field: value} of cuda_attention.Tuning (e.g.
              {"row_staging": false}, {"dependent_launch": false}, {"max_splits": 8})
   "nvrtc_options": extra NVRTC options for every build (jit.EXTRA_OPTIONS, in place of
-             $KVCUPY_NVRTC_OPTIONS's), e.g. ["-Ofc=mid"] or ["-DKVC_STAGING_ONLY=1"]
+             $KVCUPY_NVRTC_OPTIONS's), e.g. ["-Ofc=mid"] or ["-lineinfo"]
 SHAPE is a JSON object overriding the default decode shape: batch 32, context
 32768, d 128, 8 KV / 32 query heads, block size 16, rotation "none" (pages in
 random order, random codes and scales).
