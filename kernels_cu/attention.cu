@@ -1,9 +1,10 @@
-// Entry points of the attention family: specialised by -D constants (see
-// kvcupy/backends/cuda_attention.py, which chooses them):
+// Entry points of the attention family: specialised by -D constants (the
+// launcher's Kernel.defines and PrefillKernel.defines give them):
 //   paged_attention: KVC_ATTN_KV (attention.cuh's KV_* codes), KVC_HEAD_PAD, KVC_HEADS
-//     (warps = KV heads per block), KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK, KVC_STAGING;
+//     (warps = KV heads per block), KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK, KVC_STAGING,
+//     KVC_ROWS_BEFORE, KVC_MIN_BLOCKS;
 //   prefill_attention: KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, KVC_CHUNK,
-//     KVC_WGMMA;
+//     KVC_MIN_BLOCKS, KVC_WGMMA, KVC_PRODUCER, KVC_DIRECT, KVC_SWIZZLE, KVC_ROTATED, KVC_WIDE_ROWS;
 //   merge_splits: KVC_OUT_T.
 #include "attention.cuh"
 #include "prefill.cuh"
@@ -29,8 +30,8 @@ namespace {
 
 // The twelve byte strides (block, slot, head of K, V, K scales, V scales) come
 // by value: every thread has them from the start (as a device array read into
-// shared memory, they cost each block a memory round trip and a barrier before
-// its first load of the batch plan).
+// shared memory, they would cost each block a memory round trip and a barrier
+// before its first load of the batch plan).
 __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
   Params p;
   p.query = query;
@@ -105,7 +106,7 @@ __device__ __forceinline__ Params make_params(KVC_ATTENTION_ARGS) {
 typedef Attention<KVC_ATTN_KV, KVC_HEAD_PAD, KVC_HEADS, KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK> Kernel;
 
 extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS, KVC_MIN_BLOCKS) paged_attention(KVC_ATTENTION_ARGS) {
-  enter_dependent_grid();   // launched as a dependent (cuda_attention.DEPENDENT_ATTENTION)
+  enter_dependent_grid();   // launched as a dependent (Tuning.dependent_launch)
   Kernel::run(KVC_ATTENTION_PARAMS, block_shift);
 }
 #endif
@@ -129,7 +130,7 @@ typedef Prefill<KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, K
     PrefillKernel;
 
 extern "C" __global__ void __launch_bounds__(32 * KVC_WARPS, KVC_MIN_BLOCKS) prefill_attention(KVC_ATTENTION_ARGS) {
-  enter_dependent_grid();   // launched as a dependent (cuda_attention.DEPENDENT_ATTENTION)
+  enter_dependent_grid();   // launched as a dependent (Tuning.dependent_launch)
   PrefillKernel::run(KVC_ATTENTION_PARAMS, block_shift);
 }
 #endif

@@ -51,9 +51,9 @@
 //     quantized caches only (their codes are always finite).
 //   2 (rows): every thread copies 16-byte pieces of a token's rows with
 //     cp.async into the padded rows of layout 0 and arrives on the full
-//     barrier through cp.async.mbarrier.arrive.noinc. In a build that only
-//     stages (int4, d = 128, 32 x 32768, H200) bulk copies of 8 KiB pages
-//     moved 3.0-3.1 TB/s (3.3 with 64-token tiles), these 3.7.
+//     barrier through cp.async.mbarrier.arrive.noinc. Where both fit the
+//     launcher takes these (Tuning.row_staging): they sustain a higher copy
+//     rate than warp 0's bulk copies.
 #ifndef KVC_STAGING
 #define KVC_STAGING 0
 #endif
@@ -161,12 +161,12 @@ struct Params {
   const void* query_in;      // [T, Hq, d] as the caller gave it (query_dtype), unrotated
   long long q_token_stride, q_head_stride;         // elements
   int query_dtype;           // kDtypeF32, kDtypeF16, kDtypeBf16
-  const uint2* rotation_fwd; // mma B fragments of the rotation (cuda_attention.rotation_fragments)
+  const uint2* rotation_fwd; // mma B fragments of the rotation (the launcher's rotation_fragments)
   const uint2* rotation_inv; // ... and of its inverse
   int rotation_shift;        // -1: no rotation; else log2 of the width of one independent
-                             // block of fragments (cuda_attention.rotation_shift)
+                             // block of fragments (the launcher's rotation_shift)
   int rotation_stages;       // butterfly stages across 16-dim groups beside the fragments'
-                             // products (cuda_attention.rotation_stages)
+                             // products (the launcher's rotation_stages)
   float query_factor;        // 1 / query_divisor: softmax scale / norm
   float out_factor;          // 1 / norm
   void* out;                 // [T, Hq, d] (out_dtype), written directly when `direct`
@@ -181,7 +181,7 @@ struct Params {
   int sign_shift;            // log2 b; -1: no rotation
 };
 
-// Dtype codes of query_in and out (cuda_attention.DTYPE_CODES).
+// Dtype codes of query_in and out (the launcher's dtype_code).
 constexpr int kDtypeF32 = 0, kDtypeF16 = 1, kDtypeBf16 = 2;
 
 // --- what a lane reads of a row ------------------------------------------------
@@ -342,7 +342,7 @@ struct Attention {
   // (current) and base + 32 + l (next), -1 for a page outside [lo, hi) or an
   // id outside the cache. A tile's copies then never wait on the block table:
   // under full load a table read queues behind the page traffic, and with one
-  // tile of lead that wait cost a quarter of the bandwidth (H200, ncu).
+  // tile of lead the copies would stall on it.
   struct PageWindow {
     int base, current, next;
   };
@@ -510,9 +510,9 @@ struct Attention {
   static __device__ __forceinline__ void stage_rows(const Params& p, u8* smem, int stage, int head0, int base,
                                                     int lo, int hi, int block_shift, const PageWindow& window) {
     // At least 8 threads a token where its rows allow, so that each copy instruction of
-    // a warp takes whole 128-byte lines of four tokens' rows (with four, half lines of
-    // eight: int4 d = 128 64-token tiles, the copies alone 3.77 against 4.08 TB/s on
-    // the H200), in several passes a tile where the block is short of threads.
+    // a warp takes whole 128-byte lines of four tokens' rows (four threads a token would
+    // take half lines of eight tokens), in several passes a tile where the block is
+    // short of threads.
     constexpr int kLanesPerToken = T::kHeadsBytes >= 128 && T::kThreads / TILE < 8 ? 8 : T::kThreads / TILE;
     static_assert(T::kThreads % kLanesPerToken == 0 && TILE % (T::kThreads / kLanesPerToken) == 0,
                   "whole threads a token, whole passes a tile");
@@ -594,7 +594,7 @@ struct Attention {
   static constexpr int kValueVecBytes = 2 * T::kValueVector;
   // int4 at d = 96: a lane's 6 bytes of a value row in one 4-byte load (units 0
   // and 1, at 4g) and one 2-byte load (unit 2, at 32 + 2g), where the uniform
-  // vectors took three 2-byte loads.
+  // vectors would take three 2-byte loads.
   static constexpr bool kSplitValues = KV == KV_INT4 && HEAD_PAD == 96;
   static constexpr int kValueLoads = kSplitValues ? 2 : T::kValueUnits / T::kValueVector;
 
@@ -772,8 +772,8 @@ struct Attention {
         bits.rows[r][k] = b;
       }
     }
-    // The signs too: loaded later, they queued behind every block's first copies
-    // (KVC_TRACE, int4 32 x 32768: 13 us from a block's start to its loop).
+    // The signs too: loaded later, they would queue behind every block's first
+    // copies and hold the block out of its loop.
 #pragma unroll
     for (int k = 0; k < kQuerySlots; ++k) bits.signs[k] = p.sign_shift >= 0 ? __ldg(p.signs + k) : 0u;
   }
@@ -851,19 +851,16 @@ struct Attention {
     // Row staging: each warp copies its share of tile t + STAGES - 1 after
     // computing tile t (of 64-token tiles, tile STAGES - 1 before the loop,
     // where its stage frees) rather than before, into the stage of tile t - 1,
-    // which by then the other warps have most likely left too (before t, every
-    // warp waited there for the slowest). Int4, d = 128 / 96, 32 x 32768, H200
-    // (tools/decode_variants.py, alternating runs): 3.07-3.15 / 2.63-2.74 TB/s
-    // against 2.73-2.85 / 2.42-2.58 issued before. With two stages that would
+    // which by then the other warps have most likely left too (issued before t,
+    // every warp would wait there for the slowest). With two stages that would
     // leave no copy in flight: the launcher takes bulk copies there, or issues
     // them before the tile (KVC_ROWS_BEFORE: two blocks a multiprocessor, d = 96).
     static_assert(KVC_STAGING != KVC_STAGE_ROWS || STAGES >= 3 || KVC_ROWS_BEFORE, "row staging: three stages or more");
     // The caller's query (p.query null) is read and rotated before the first
     // tiles' copies go out, with the first pages' ids loading alongside (the
-    // same depth of dependent loads). Issued after those copies, its loads
-    // queued behind every block's and the block entered its loop about 11 us
-    // after its start, while the copies had landed by 6 or 7 and the next ones
-    // waited for the loop (KVC_TRACE, int4 d = 128, 32 x 32768 and 32 x 8192).
+    // same depth of dependent loads): issued after those copies, its loads would
+    // queue behind every block's, and the block would enter its loop long after
+    // its first tiles had landed, the next tiles' copies waiting on the loop.
     // Each warp works its rows out a quad at a time in its part of the last
     // stage, which no copy fills before every warp has its fragments.
     const bool own_query = p.query == nullptr;
@@ -989,14 +986,11 @@ struct Attention {
     // Every warp is done with its query rows before copies land there (tile 0's loop).
     if (own_query) __syncthreads();
     // Row staging, copies after the tile, 64-token tiles (int4 decode's, which
-    // the planner takes for splits of 1024 keys or more): the last stage is free
-    // now (it held the query rows), so tile STAGES - 1 goes out before tile 0's
-    // math, not after it. Int4 (H200, tools/decode_variants.py, alternating, every build
-    // compiled there, ms): d = 128 32 x 32768 0.3163 / 0.3166 against 0.3187 /
-    // 0.3184, 32 x 8192 0.0922 / 0.0924 against 0.0927 / 0.0927. Shorter tiles
-    // keep the copies after tile 0: with five 32-token tiles a split (4 x 4096)
-    // it lost 2%, and a run-time test of the split's length cost the long
-    // splits 1-2% (docs/gpu-notes.md, Decode).
+    // the planner takes for long splits: Tuning.long_tile_min_split_tokens): the
+    // last stage is free here (it held the query rows), so tile STAGES - 1 goes
+    // out before tile 0's math, not after it. Shorter tiles keep the copies after
+    // tile 0: their splits are too short to gain by it, and a compile-time choice
+    // spares the long splits a run-time test of the split's length.
     constexpr bool kEarlyLast = KVC_STAGING == KVC_STAGE_ROWS && !KVC_ROWS_BEFORE && TILE >= 64;
     if constexpr (kEarlyLast) {
       constexpr int kLast = STAGES - 1;
@@ -1082,9 +1076,7 @@ struct Attention {
       // Steps of 16 tokens, GS of them a softmax round (decode: a tile's two
       // steps, one quad of rows): the round's score products are independent
       // chains, and its maxima, sums, reference and rescaling are worked out
-      // once for 16 GS tokens instead of once a step. int4, d = 128, 32 x 32768
-      // (H200, tools/decode_variants.py, alternating runs): 2.93-2.94 TB/s
-      // against 2.67-2.70 for the two steps unrolled one round each.
+      // once for 16 GS tokens instead of once a step.
 #pragma unroll 1
       for (int round = 0; round < TILE / (16 * GS); ++round) {
         const int first_step = round * GS;
@@ -1329,8 +1321,7 @@ struct Attention {
 // kernels): nothing is read before the kernel ahead is done, and only then may
 // the merge's grid start. Let in at the start of both kernels instead, the merge
 // and the next call's attention grid could wait at once, their blocks holding
-// slots the running grid needed (4 x 4096 decode 30% slower on an H200): so at
-// most one grid waits at a time.
+// slots the running grid needs: so at most one grid waits at a time.
 __device__ __forceinline__ void enter_dependent_grid() {
   wait_for_prerequisites();
   allow_dependent_launch();
@@ -1342,14 +1333,13 @@ __device__ __forceinline__ void enter_dependent_grid() {
 // b = 2^sign_shift channels, then the signs, times out_factor = 1 / b; in
 // float32, where the rotate kernel it replaces worked in float64).
 // A block of kMergeWarps warps serves kMergeWarps / split_warps rows (one
-// block a row left most of the time to block scheduling: 1.1 ms for 2^20 rows
-// of one split on an H200); the split_warps warps of a row (a power of two)
-// sum splits phase, phase + split_warps, ... of channels lane, lane + 32, ...
-// with all of a split's loads in flight, and the row's first warp adds up
-// their sums. One warp a row left a merge of 32 splits (8 x 32768 decode)
-// latency-bound: 32 us, a quarter of the step (H200, ncu).
-constexpr int kMergeWarps = 8;         // cuda_attention.MERGE_WARPS
-constexpr int kMergeMaxSplits = 256;   // cuda_attention.MAX_SPLITS
+// block a row would spend most of its time in block scheduling); the
+// split_warps warps of a row (a power of two) sum splits phase, phase +
+// split_warps, ... of channels lane, lane + 32, ... with all of a split's loads
+// in flight, and the row's first warp adds up their sums: one warp a row would
+// leave a merge of many splits bound by memory latency.
+constexpr int kMergeWarps = 8;         // the launcher's MERGE_WARPS
+constexpr int kMergeMaxSplits = 256;   // the launcher's MAX_SPLITS
 constexpr int kMergeSlots = 8;         // channels lane + 32 k of head sizes up to 256
 
 template <typename OUT>
@@ -1370,8 +1360,8 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
   if (active) {
     // Every load that waits on nothing goes out first (the sink, the sign
     // words, the first split's values, the statistics of splits lane, lane +
-    // 32, ...): one after another they made the merge a chain of memory
-    // latencies, 9.5 us for 1024 rows of 8 splits, 8.4 issued first (H200, ncu).
+    // 32, ...): one after another they would make the merge a chain of memory
+    // latencies.
     // The sinks and signs come from before the attention grid, which began
     // only after them: they need no wait.
     const bool has_sink = sinks != nullptr;

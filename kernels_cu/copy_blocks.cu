@@ -7,7 +7,7 @@ namespace {
 
 using namespace kvc;
 
-// One tensor, as cuda.py's TENSOR_COPY dtype lays it out (eight 8-byte fields):
+// One tensor, as the launcher's TENSOR_COPY_FIELDS lay it out (eight 8-byte fields):
 // a block is `rows` rows (slot, head) of `row_bytes` contiguous bytes.
 struct TensorCopy {
     u64 base;

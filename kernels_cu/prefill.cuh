@@ -49,9 +49,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* share
 
 // mma<BF16> with the operands' type chosen at run time: both instructions,
 // predicated, one of them issued for nothing (no branch a product). The query's
-// rotation products take it for fp16 and bf16 queries alike, where a copy of
-// those products for each type had cost NVRTC about a seventh of a build's time
-// (int4 producer build, d = 128, 16-bit rows, NVRTC 13.5 on 2 cores: 7.4 -> 6.4 s).
+// rotation products take it for fp16 and bf16 queries alike: NVRTC then compiles
+// one copy of those products, not one for each type (a large share of a build).
 __device__ __forceinline__ void mma_either(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, bool bf16) {
   asm volatile("{\n .reg .pred is_bf16;\n setp.ne.u32 is_bf16, %10, 0;\n"
                " @is_bf16 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -87,8 +86,7 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 // (setmaxnreg) so that the consumers run on 224; they take FlashAttention-3's
 // intra-warpgroup order (run()): a tile's output products run under the next
 // tile's softmax. Their score products take the query from registers (32 of
-// them at d = 128), so that shared memory serves the tensor cores only K and V
-// (int4 4 x 8192 on an H200: 328 against 302 TFLOP/s from shared memory).
+// them at d = 128), so that shared memory serves the tensor cores only K and V.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define KVC_FP8_CONVERT 1   // cvt.rn.f16x2.e4m3x2
 #else
@@ -108,7 +106,7 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 #define KVC_MIN_BLOCKS 1   // the launch bounds' blocks a multiprocessor (attention.cu)
 #endif
 #ifndef KVC_PRODUCER_REGS
-#define KVC_PRODUCER_REGS 56   // the fewest that spill nothing (producer's loop; 40 spilled 16-120 bytes)
+#define KVC_PRODUCER_REGS 56   // the fewest with which the producer's loop spills nothing
 #endif
 
 template <int KV, int HEAD_PAD, int WARPS, int TILE, int STAGES, int CHUNK, bool WGMMA = false, bool PRODUCER = false,
@@ -147,34 +145,27 @@ struct Prefill {
   // ones (HEAD_PAD 32, 96). A warp then copies whole rows without bank
   // conflicts. Without KVC_SWIZZLE they keep the core matrices side by side
   // (kvc_wgmma::core_offset), as the decoding pass's tiles do: it could write
-  // either (its stores go through decoded_at), but swizzled it measured no
-  // gain and its per-store addresses cost the producer registers (docs/gpu-history.md, Prefill).
+  // either (its stores go through decoded_at), but a swizzle buys its 16-byte
+  // stores nothing and its per-store addresses cost the producer registers.
   static constexpr int kSwizzleBytes = !(DIRECT && KVC_SWIZZLE) ? 0 : HEAD_PAD % 64 == 0 ? 128 : 64;
   static constexpr bool kSwizzled = kSwizzleBytes != 0;
   // Builds for caches without a rotation (KVC_ROTATED 0) leave the query's and
-  // the output's rotation out: their registers bound the build without the
-  // producer (int8 at d = 128: 676 bytes spilled at 12 warps with them, none
-  // without; 8 warps at two blocks a multiprocessor, 2792 against 100).
+  // the output's rotation out: their registers make the builds without the
+  // producer spill (int8 at d = 128: 12 warps, or 8 at two blocks a multiprocessor).
   static constexpr bool kRotated = KVC_ROTATED != 0;
   // Builds for 16-bit query and output rows (KVC_WIDE_ROWS 0, the launcher's
   // choice where neither is float32) leave out the float32 rows' code: the
   // query's two-term rotation and the output's. The float32 calls' build keeps
   // one copy of each rotation's products (load_query, write_output). NVRTC's
-  // time goes with the code: the int4 d = 128 prefill builds took 7.3-8.6 s
-  // to compile on one lent H200 (NVRTC 13.0) before, 2.9-3.3 s without that
-  // code on another and 4.0-5.9 s on a third (docs/gpu-notes.md, Prefill);
-  // the JIT target is 5 s. The host never hands such a build a float32 query
-  // or output.
+  // compile time grows with the code, so builds that never need it leave it
+  // out. The host never hands such a build a float32 query or output.
   static constexpr bool kWideRows = KVC_WIDE_ROWS != 0;
   // The output's inverse rotation emits each group of four n tiles as soon as it
   // is done (rotate_rows without ACROSS_GROUPS) where the launch bounds leave 128
   // registers a thread or fewer: the short-prompt build (8 warps, two blocks a
   // multiprocessor) spills less so. Builds with more keep the whole rows and emit
-  // after (int4, blockdiag, d = 128, H200, tools/prefill_variants.py, ms, two
-  // rounds, whole / by groups: 8 warps 64 x 128 0.2090 / 0.2091 against 0.2055 /
-  // 0.2051, 32 x 256 0.2496 / 0.2498 against 0.2453 / 0.2454; 12 warps 64 x 128
-  // 0.2215 / 0.2217 against 0.2251 / 0.2246, 32 x 256 0.2537 / 0.2541 against
-  // 0.2577 / 0.2580).
+  // after: with registers to spare, the products then run back to back, not
+  // interleaved with the stores.
   // Registers a thread that the launch bounds leave (KVC_MIN_BLOCKS blocks a multiprocessor).
   static constexpr int kBoundRegs = 65536 / (kThreads * KVC_MIN_BLOCKS);
   static constexpr bool kInverseByGroups = kBoundRegs <= 128;
@@ -238,9 +229,7 @@ struct Prefill {
   static constexpr int kConsumerRegs = ((kLaunchRegs * kThreads - kProducerRegs * 128) / kConsumerThreads) & ~7;
   // fp8 codes enter the products as e4m3 x 2^-8 (bit moves): the scales carry
   // the 2^8. sm_89 and newer convert e4m3 pairs to fp16 in one instruction, the
-  // codes' own values (exact in fp16): their scales carry no 2^8. (int8 and fp8
-  // at d = 128, 4 x 8192, H200: 287 / 282 -> 305 / 309 TFLOP/s with the int8
-  // bytes' permute below.)
+  // codes' own values (exact in fp16): their scales carry no 2^8.
   static constexpr bool kFp8Convert = KV == KV_FP8 && KVC_FP8_CONVERT;
   static constexpr float kCodeUnit = KV == KV_FP8 && !kFp8Convert ? 256.f : 1.f;
 
@@ -308,17 +297,13 @@ struct Prefill {
                             block_shift, window, stager);
       return;
     }
-    // Every token a stager copies takes the same piece (copy_fixed_piece; the
-    // loop below works the offsets out for every piece): 16-bit rows, and
-    // quantized codes in the producer build, whose scale words keep their own
-    // loop below. H200, tools/prefill_variants.py, d = 128, TFLOP/s: fp16 rows
-    // 4 x 8192 253 -> 303; quantized codes (blockdiag, alternating, two rounds)
-    // 4 x 8192 int4 347.0 / 346.7 -> 350.3 / 351.0, int8 307.1 / 306.7 -> 334.6
-    // / 334.4, fp8 310.7 / 310.8 -> 334.3 / 334.1, 2048 over 30720 cached int8
-    // 330.4 -> 359.0, fp8 335.4 -> 365.6. The scale words copied by the stagers
-    // of piece 0 inside the same loop instead had cost int8 and fp8 8%. The
-    // short build (no producer) lost 3-6% with it: 64 x 128 int8 0.1615 ->
-    // 0.1695 ms, int4 0.1555 -> 0.1601; the loop stays there.
+    // Every token a stager copies takes the same piece (copy_fixed_piece: the
+    // piece's offsets once a tile, where the loop below works them out for every
+    // piece): 16-bit rows, and quantized codes in the producer build. The scale
+    // words keep their own loop below: folded into piece 0's stagers they would
+    // leave those stagers the longest share. Quantized codes without a producer,
+    // whose stagers also compute, keep the general loop: there the fixed piece
+    // does not pay.
     constexpr bool kFixedPiece = CHUNK > 1 && kStagers % kPieces == 0 && (!kQuantized || PRODUCER);
     if constexpr (kFixedPiece) {
       constexpr int kTokenStep = kStagers / kPieces;
@@ -368,8 +353,8 @@ struct Prefill {
   // % PIECES of token 8 (c / (8 PIECES)) + c % 8: 8 lanes on the same piece of
   // 8 consecutive tokens, one core matrix's 128 contiguous bytes (a row's
   // pieces there lie 128 bytes apart, in one bank group), a warp's copies then
-  // touching 8 rows. (bf16 rows, d = 128, H200: 307 TFLOP/s with the core
-  // matrices, 299 with whole rows in them, 373-379 swizzled.)
+  // touching 8 rows. The launcher takes the swizzled layout (PrefillKernel.swizzled):
+  // whole rows from global memory, without bank conflicts in shared memory.
   template <int PIECES>
   static __device__ __forceinline__ void stage_direct(const Params& p, u8* buffer, int head, int base, int lo, int hi,
                                                       int block_shift, const typename Pages::PageWindow& window,
@@ -416,11 +401,8 @@ struct Prefill {
 
   // Trims of a block's bookkeeping (row_token's unsigned division, the output's
   // channel pairs, write_output's selects skipped where no row needs them),
-  // taken by quantized caches' builds only. In the 12-warp build over 16-bit
-  // rows (150-190 bytes spilled) the three measured 8% slower together at 64 x
-  // 128 (bf16, 0.177 -> 0.192 ms), though reverting any one of them alone was
-  // slower still (0.193-0.204 ms; H200, tools/prefill_variants.py, one run):
-  // that build's register allocation, not its instructions.
+  // taken by quantized caches' builds only: the 12-warp build over 16-bit rows
+  // already spills, and the trims shift its register allocation for the worse.
   static constexpr bool kTrimmed = kQuantized;
 
   // A query row's token and head within its KV head's group: row / group and
@@ -482,8 +464,8 @@ struct Prefill {
         const u32 zp = KV == KV_INT4 ? scale_words[row] & 0xFu : 0u;
         const u32 low_bias = (0xE400u + zp) * 0x10001u, high_bias = (0xD400u + 16u * zp) * 0x10001u;
         // Every load of a batch first: the decoding then waits on shared memory
-        // once a batch, of at most 16 words (32 at once spilled 80 bytes of the
-        // producer's 56 registers, int8 at d = 128).
+        // once a batch, of at most 16 words (32 at once would spill the
+        // producer's 56 registers: int8 at d = 128).
         constexpr int kBatch = kRun <= 16 ? kRun : kRun % 16 == 0 ? 16 : kRun / 2;   // 32 -> 16, 24 -> 12
         static_assert(kRun % kBatch == 0 && kBatch % kVector == 0, "whole batches of whole loads");
 #pragma unroll
@@ -517,7 +499,7 @@ struct Prefill {
               *reinterpret_cast<uint4*>(decoded_at(decoded, row, 8 * word)) = out;
             } else {
               // Two words (8 dims: 16 contiguous bytes of a decoded row) a store: 8-byte
-              // stores into the core matrices left half of each wavefront unused.
+              // stores into the core matrices would leave half of each wavefront unused.
               static_assert(kBatch % 2 == 0, "whole 8-dim runs");
               if (v % 2) continue;
               u32 pairs[4];
@@ -571,7 +553,7 @@ struct Prefill {
       // a cache row may hold; the scale here comes from E's bits directly.)
       constexpr int kWordsPerRow = kRowBytes / 4;
       // Words loaded before they are used: 16 (8 where bf16 converts them: 16
-      // spilled 108 bytes of the producer's registers at d = 128).
+      // would spill the producer's registers at d = 128).
       constexpr int kBatch = KV == KV_BF16 ? 8 : 16;
       static_assert(kWordsPerRow % 16 == 0, "whole batches: head sizes are multiples of 32");
       float* scales = reinterpret_cast<float*>(decoded + 2 * kDecodedTensorBytes);
@@ -722,11 +704,9 @@ struct Prefill {
   // query and output rows whose starts and sizes are 16-byte multiples (16-bit
   // elements) move between global and shared memory by the copy engine, a row
   // a cp.async.bulk, instead of each lane's 4-byte pairs. A short prompt's
-  // block otherwise spends much of its time waiting on those: at 64 x 128
-  // (int4, d = 128) 4.4 us of 18 until the query is loaded and rotated
-  // (tools/prefill_trace.py). The producer build keeps the lanes' loads: its
-  // long blocks gain nothing, and the bulk path cost it 1-2% (4 x 8192 and
-  // 2048 over 30720 cached, int4, H200, tools/prefill_variants.py).
+  // block otherwise spends much of its time waiting on those, until the query
+  // is loaded and rotated. The producer build keeps the lanes' loads: in its
+  // long blocks that wait is a small share, less than the bulk path costs.
   // The rows are staged in the decoded buffers, kDecodedStride apart (the
   // lanes' 4-byte pairs then fall in distinct banks): the query's before the
   // first tile is decoded, the output's once every consumer is past the last
@@ -826,7 +806,7 @@ struct Prefill {
   // The host's rotation_shift (-1: none), as this build applies it.
   static __device__ __forceinline__ int rotation_shift(const Params& p) { return kRotated ? p.rotation_shift : -1; }
 
-  // The rotation's fragments (cuda_attention.rotation_fragments: [KC][ND][32
+  // The rotation's fragments (the launcher's rotation_fragments: [KC][ND][32
   // lanes] x 8 bytes, HEAD_PAD^2 x 2 bytes in all) into shared memory at `to`,
   // every thread of the block copying 16 bytes at a time. Read from there, a
   // warp's fragment is one conflict-free 8-byte access a lane.
@@ -1109,10 +1089,10 @@ struct Prefill {
   // rows g and g + 8, whole (int4's with their pairs in the cache's order,
   // channel_of): nothing else mixes dims, so any split of a row serves. Pieces
   // past head_size (whole pieces: bulk rows' head sizes are multiples of 8) and
-  // rows past the last are zeros. (64 x 128, int8, d = 128, H200: load_query's
-  // path took about 600 of a warp's 3650 instructions a block by ncu's counts.)
-  // 16-bit rows keep load_query's path: with this one and kTrimmed's trims their
-  // 12-warp build measured 0.179 -> 0.196 ms at 64 x 128 (bf16).
+  // rows past the last are zeros. This spares a short block load_query's path,
+  // a large share of its instructions. 16-bit rows keep load_query's path: like
+  // kTrimmed's trims, this one worsens the register allocation of their 12-warp
+  // build, which already spills.
   static constexpr bool kDirectQuery = WGMMA && !PRODUCER && !kRotated && kQuantized;
   static __device__ __forceinline__ void direct_query(const Params& p, const u8* staged, u8* query_rows,
                                                       const bool (&row_valid)[2], float (&row_unscale)[2]) {
@@ -1352,9 +1332,7 @@ struct Prefill {
     // loop, and each pass from the second on commits one group (tile t - 1 +
     // STAGES, or none near the end). Before tile t's wait, STAGES groups are
     // committed at t = 0 and STAGES + t - 1 after: all but STAGES - 1, then
-    // STAGES - 2, of them must have landed. (A first version also committed an
-    // empty group at t = 0 and waited for all but STAGES - 1 throughout: one
-    // group short from tile STAGES on, which compute-sanitizer's racecheck found.)
+    // STAGES - 2, of them must have landed.
 #pragma unroll 1
     for (int tile = 0; tile < num_tiles; ++tile) {
       if (tile == 0) cp_async_wait<STAGES - 1>();

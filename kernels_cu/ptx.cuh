@@ -156,7 +156,7 @@ __device__ __forceinline__ float sum_over_columns(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
 
-// Programmatic dependent launch (sm_90; cuda_launch.py): the attention grid
+// Programmatic dependent launch (sm_90; Tuning.dependent_launch): the attention grid
 // is launched so that its blocks may start while the kernel ahead of it still
 // runs, and the merge so that its blocks may start while the attention grid
 // runs. Each waits for the grid ahead (its results visible) before reading

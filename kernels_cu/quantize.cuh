@@ -1,4 +1,4 @@
-// Per-token-head quantization of FORMAT.md, bit for bit what
+// Per-token-head quantization of docs/format.md, bit for bit what
 // cpu_kernels.quantize_vectors stores: float32 arithmetic in the format's
 // order with correctly rounded division and no contraction (every rounding
 // step is an explicit __f*_rn intrinsic, which NVRTC never fuses into an FMA).
@@ -11,7 +11,7 @@ namespace kvc {
 // KV dtype ids: formats.KVDtype.kernel_id.
 constexpr int kInt4 = 0, kInt8 = 1, kFp8 = 2, kAuto = 3;
 
-// FORMAT.md, non-finite input: codes 0 and this quiet NaN as the scale word.
+// docs/format.md, non-finite input: codes 0 and this quiet NaN as the scale word.
 constexpr u32 kNonFiniteScale = 0x7fc00000u;
 constexpr float kMinScale = 1e-6f;
 constexpr float kFloatMax = 3.402823466e38f;
@@ -46,7 +46,7 @@ __device__ __forceinline__ u32 e4m3fn_bits(float v) {
 // The scale word and codes of one vector whose values the group's lanes hold
 // (VALUES each, any order) as x times `unit`, a power of two, with the lane's
 // smallest and largest x where `known` (finite then): `scale_word` for
-// the scale cache, `code(x)` per value, valid where `finite` (FORMAT.md's
+// the scale cache, `code(x)` per value, valid where `finite` (docs/format.md's
 // non-finite rule stores codes 0 otherwise: the caller masks whole words with
 // `keep`, rather than every code with a select). The extremes are scaled once, and so is
 // the reciprocal scale that code() multiplies by: x * (r * unit) rounds the

@@ -2,7 +2,7 @@
 // (forward) or s * (H^T x'[v]) (inverse), x'[v, i] = x[v, read_order[i]]:
 // cpu_kernels.rotate_rows, one row per group of lanes.
 //
-// Specialised by (cuda.py, rotate_defines):
+// Specialised by (the launcher's rotate_defines):
 //   KVC_HEAD_SIZE, KVC_POW2, KVC_ROWS, KVC_COLUMNS  the vector's layout (RotationLayout)
 //   KVC_ROTATE (0/1), KVC_KRON (0/1)                 the transform (0: only orders and divisor)
 //   KVC_INPUT_T, KVC_OUTPUT_T                        x and out dtypes (formats.CPP_TYPES)
@@ -20,11 +20,9 @@ using Output = KVC_OUTPUT_T;
 constexpr bool kExact = KVC_ROTATE && !KVC_KRON && SignificantBits<Input>::value > 0;
 // The exact path's layout (no swaps) spreads a lane's columns in 16-byte
 // chunks of input where a group has several lanes (rotation.cuh): a group's
-// loads and stores then cover whole lines. H200, 2^20 bf16 vectors, against
-// runs of 32 columns a lane in one process, fraction of copy bandwidth:
-// d = 128 0.92 vs 0.83, d = 256 0.92 vs 0.79, d = 64 0.89 vs 0.88. Heads of
-// several rows keep their runs: d = 96 (three rows of 32, two lanes) ran at
-// 0.80 chunked against 0.82.
+// loads and stores then cover whole lines. Heads of several rows keep their
+// runs: their rows are short (d = 96: three rows of 32, two lanes), and
+// chunks gain them nothing.
 constexpr int kChunkColumns = 16 / sizeof(typename Scalar<Input>::Bits);
 constexpr int kChunk = kExact && KVC_ROWS == 1 && kChunkColumns < KVC_COLUMNS && KVC_COLUMNS < KVC_POW2
                            ? kChunkColumns
@@ -69,7 +67,7 @@ struct Fetched {
 // given order hold them as masks on the raw words: one xor a word, where a
 // sign bit a value cost a shift and a xor after its conversion. A read_order
 // permutes the values first, and float32 inputs take the float64 path: those
-// read them as bits for each row, as before.
+// read them as sign bits for each row (widen).
 constexpr bool kWordSigns = kInputSize == 2 && !KVC_ORDERS;
 using Signs = LaneSigns<Layout, kWordSigns, kWordSigns>;
 
@@ -222,15 +220,15 @@ __device__ __forceinline__ void rotate_row(const RotateParams& p, i64 row, const
 }  // namespace
 
 // x [num_rows, d], out [num_rows, d]: element row strides, last axis contiguous.
-// rotation: cuda.py's rotation words. divide: kKeep, kMultiply (by
+// rotation: the launcher's rotation_words. divide: kKeep, kMultiply (by
 // `reciprocal`, for a power-of-two divisor) or kDivide (by `divisor`).
 // A persistent grid: each group walks rows with the grid's stride and loads
 // the next row before transforming the current one (write.cu says why).
 #ifndef KVC_MIN_BLOCKS
 #define KVC_MIN_BLOCKS 1
 #endif
-// The tuned register cap (KVC_MIN_BLOCKS blocks per SM) is for the short
-// blockdiag lanes it was measured on; longer lanes and the kron mix would spill.
+// The register cap of KVC_MIN_BLOCKS blocks per SM suits the short blockdiag
+// lanes only; longer lanes and the kron mix would spill under it.
 constexpr int kMinBlocks = Layout::kValues <= 32 && !KVC_KRON ? KVC_MIN_BLOCKS : 1;
 extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocks) rotate_rows(
     const Input* __restrict__ x, i64 x_row_stride, Output* __restrict__ out, i64 out_row_stride,

@@ -1,4 +1,4 @@
-// The Hadamard rotation of FORMAT.md in registers: a vector of d = ROWS * POW2
+// The Hadamard rotation of docs/format.md in registers: a vector of d = ROWS * POW2
 // values spread over a group of lanes, transformed with float64 butterflies
 // and warp shuffles, bit for bit what cpu_kernels.rotate_rows computes.
 // Vectors of 16-bit inputs try an integer path first that computes the same
@@ -40,8 +40,8 @@ namespace kvc {
 // instead: chunks of CHUNK consecutive columns, chunk j of lane `rank` at
 // column j * CHUNK * kLanes + rank * CHUNK (column()). A group's lanes then lie
 // side by side in memory, so that a load or store instruction covers whole
-// lines where runs of COLUMNS apart made it touch a sector of each of 4x the
-// lines. The butterflies pair the same values either way: the lane bits are
+// lines where runs of COLUMNS apart would make it touch a sector of each of 4x
+// the lines. The butterflies pair the same values either way: the lane bits are
 // column bits log2 CHUNK.. instead of the top ones, the slot bits the rest,
 // and a Sylvester transform is the same product of H_2 over every bit.
 template <int HEAD_SIZE, int POW2, int ROWS, int COLUMNS, bool ROTATED = true, bool SWAPS = true,
@@ -107,7 +107,7 @@ __device__ __forceinline__ float negate_if(float x, u32 bit) {
     return __uint_as_float(__float_as_uint(x) ^ (bit << 31));
 }
 
-// The words the host uploads per rotation plan (cuda.py, rotation_words):
+// The words the host uploads per rotation plan (the launcher's rotation_words):
 // sign bits (bit i set: s[i] = -1), then the kron mix as one word per row
 // (bit a of word r set: M[r][a] = -1), forward and transposed.
 constexpr int kSignWords = 8;                     // 256 bits

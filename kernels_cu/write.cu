@@ -1,7 +1,7 @@
 // reshape_and_cache: rotate, quantize, pack and scatter K and V of every
 // (token, KV head) in one launch, with no rotated copy in global memory.
 //
-// Specialised by (cuda.py, write_defines):
+// Specialised by (the launcher's write_defines):
 //   KVC_HEAD_SIZE, KVC_POW2, KVC_ROWS, KVC_COLUMNS  the vector's layout (RotationLayout)
 //   KVC_ROTATE (0/1), KVC_KRON (0/1)                 the transform
 //   KVC_ROUND_TO_INPUT (0/1)                         the vllm preset's rounding
@@ -263,20 +263,20 @@ __device__ __forceinline__ void write_vector(const Common& c, const Stream& s, c
 #ifndef KVC_MIN_BLOCKS
 #define KVC_MIN_BLOCKS 1
 #endif
-// The tuned register cap (KVC_MIN_BLOCKS blocks per SM) is for the short
-// blockdiag lanes it was measured on; longer lanes and the kron mix would spill.
+// The register cap of KVC_MIN_BLOCKS blocks per SM suits the short blockdiag
+// lanes only; longer lanes and the kron mix would spill under it.
 constexpr int kMinBlocks = Layout::kValues <= 32 && !KVC_KRON ? KVC_MIN_BLOCKS : 1;
 
 // key/value [T, Hk, d] with element strides (token, head); slot_mapping [T]
 // (int32 or int64, element stride); caches with element strides (block, slot,
-// head) for K, V and both scale tensors; rotation: cuda.py's rotation words.
+// head) for K, V and both scale tensors; rotation: the launcher's rotation_words.
 // *_align: the alignment in bytes of every vector's row start (host-proved).
 //
 // A persistent grid: each group of lanes walks the vectors (K and V of every
 // token and head) with the grid's stride and loads the next vector's input
 // before transforming the current one, so that memory latency hides behind
-// the float64 work (one vector per group, then exit, left every load
-// exposed: ~12 warps per SM compute for longer than a load takes).
+// the float64 work (with one vector per group, then exit, every load would be
+// exposed: the ~12 warps a multiprocessor holds compute for longer than a load takes).
 extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocks) reshape_and_cache(
     const Input* __restrict__ key, const Input* __restrict__ value,
     i64 key_token_stride, i64 key_head_stride, i64 value_token_stride, i64 value_head_stride,
