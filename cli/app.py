@@ -9,29 +9,51 @@ a usage error (including a backend that cannot run here).
 from __future__ import annotations
 
 import json
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable
 
 import typer
 from rich.console import Console, RenderableType
+from typer.core import TyperCommand, TyperGroup
 
 import kvcupy
 from kvcupy.backends import BackendUnavailable, names as backend_names, resolve as resolve_backend
+from kvcupy.formats import QUANTIZED_KV_DTYPES
 from kvcupy.rotation import RotationPlan, check_head_size
 
 from . import bench as bench_module
-from . import bench_cuda
+from kvcupy import bench as bench_cuda
 from . import check as check_module
 from . import plot as plot_module
 from . import render
 from .info import collect_info
-from .repro import ALL_KV_DTYPES, ReproConfig, run_repro, total_steps
+from .repro import ReproConfig, run_repro, total_steps
+
+
+def _flags_without_type(params: list) -> list:
+    """A flag takes no value, so --help gives it no type column (typer 0.29 labels each `<bool>`)."""
+    for param in params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    def get_params(self, ctx):
+        return _flags_without_type(super().get_params(ctx))
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx):
+        return _flags_without_type(super().get_params(ctx))
+
 
 # Markdown mode: typer's "rich" mode keeps the hard line breaks of a docstring in the
 # command list and in every paragraph after the first; Markdown reflows them.
 app = typer.Typer(help="kvcupy: quantized (INT4 / INT8 / FP8) paged KV caches for LLM inference.",
-                  no_args_is_help=True, add_completion=False, rich_markup_mode="markdown")
+                  no_args_is_help=True, add_completion=False, rich_markup_mode="markdown", cls=_Group)
 
 
 # The registry's backends (kvcupy.backends), plus "auto".
@@ -46,6 +68,7 @@ class Rotation(str, Enum):
 
 class KvDtype(str, Enum):
     all = "all"
+    quantized = "quantized"
     int4_per_token_head = "int4_per_token_head"
     int8_per_token_head = "int8_per_token_head"
     fp8_per_token_head = "fp8_per_token_head"
@@ -58,6 +81,11 @@ class Phase(str, Enum):
     prefill = "prefill"
 
 
+# What `--kv-dtype all` and `--kv-dtype quantized` stand for, in every command. repro's
+# default is quantized: auto's check costs one more float64 oracle pass, about a fifth of
+# the run, and shows no more than float16 rounding of the rotated vectors.
+KV_DTYPE_GROUPS = {KvDtype.all: QUANTIZED_KV_DTYPES + ("auto",), KvDtype.quantized: QUANTIZED_KV_DTYPES}
+KV_DTYPE_GROUPS_HELP = "all: int4, int8, fp8 and auto (float16, unquantized); quantized: the first three."
 BACKEND_HELP = "auto: a GPU backend when one is usable, else cpu. `kvcupy info` lists what is usable here."
 JSON_HELP = "Print one JSON object on stdout instead of tables."
 
@@ -91,6 +119,31 @@ def choice_option(default: Enum, help: str) -> Any:
                         metavar="<" + " | ".join(choice.value for choice in choices) + ">")
 
 
+def int_option(default: int | None, help: str, minimum: int | None = None,
+               maximum: Callable[[], int] | None = None) -> Any:
+    """A typer.Option taking an integer; the command gets an int (or None, the default).
+
+    Like choice_option, a plain string that kvcupy's callback converts, so that a
+    bad value is named as the user typed it (typer 0.29's pydantic message does not
+    repeat it). maximum: called when a value is checked (e.g. Numba's thread count).
+    """
+    def to_int(value: str | int | None) -> int | None:
+        if value is None or isinstance(value, int):
+            return value
+        try:
+            number = int(value)
+        except ValueError:
+            raise typer.BadParameter(f"{value!r} is not an integer.") from None
+        if minimum is not None and number < minimum:
+            raise typer.BadParameter(f"{value!r} is below {minimum}, the least it takes.")
+        if maximum is not None and number > maximum():
+            raise typer.BadParameter(f"{value!r} is above {maximum()}, the most it takes here.")
+        return number
+
+    metavar = "<int>" if minimum is None else f"<int, at least {minimum}>"
+    return typer.Option(default, help=help, callback=to_int, metavar=metavar)
+
+
 def _given_options(ctx: typer.Context, *names: str) -> list[str]:
     """The options among `names` (parameter names) that the user set, spelt as on the command line."""
     def given(name: str) -> bool:
@@ -120,8 +173,8 @@ def _device(backend: Backend) -> str:
         raise typer.BadParameter(str(error), param_hint="'--backend'") from None
 
 
-def _kv_dtypes(kv_dtype: KvDtype, all_kv_dtypes: tuple[str, ...]) -> tuple[str, ...]:
-    return all_kv_dtypes if kv_dtype is KvDtype.all else (kv_dtype.value,)
+def _kv_dtypes(kv_dtype: KvDtype) -> tuple[str, ...]:
+    return KV_DTYPE_GROUPS.get(kv_dtype, (kv_dtype.value,))
 
 
 def _print_report(report: dict, as_json: bool, render_report: Callable[[dict], RenderableType]) -> None:
@@ -131,17 +184,16 @@ def _print_report(report: dict, as_json: bool, render_report: Callable[[dict], R
         Console().print(render_report(report))
 
 
-@app.command()
+@app.command(cls=_Command)
 def repro(
     ctx: typer.Context,
-    head_size: int = typer.Option(96, help="Head size d (even, 32..256); 96 is Phi-3-mini's."),
-    kv_dtype: str = choice_option(KvDtype.all, help="KV dtype to check; all: int4, int8 and fp8 "
-                                      "(auto, unquantized float16, only when named)."),
+    head_size: str = int_option(96, help="Head size d (even, 32..256); 96 is Phi-3-mini's."),
+    kv_dtype: str = choice_option(KvDtype.quantized, help="KV dtypes to check; " + KV_DTYPE_GROUPS_HELP),
     rotation: str = choice_option(Rotation.blockdiag, help="Rotation applied before quantizing."),
     backend: str = choice_option(Backend.auto, help=BACKEND_HELP),
-    prompt_len: int = typer.Option(512, min=1, help="Prompt tokens (one prefill call)."),
-    decode_steps: int = typer.Option(32, min=0, help="Decode steps after the prompt, one token each."),
-    seed: int = typer.Option(0, help="Seed of the synthetic Q/K/V."),
+    prompt_len: str = int_option(512, minimum=1, help="Prompt tokens (one prefill call)."),
+    decode_steps: str = int_option(32, minimum=0, help="Decode steps after the prompt, one token each."),
+    seed: str = int_option(0, help="Seed of the synthetic Q/K/V."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Check a head size end to end: rotation, format error and implementation error of each KV dtype.
@@ -150,32 +202,38 @@ def repro(
     PagedKVCache on synthetic K with outlier channels, and checks the rotation,
     the attention error of each KV dtype against float64, and the
     implementation against the oracle on the same cache. Exit status 0 only if
-    every check passes.
+    every check passes. A first run on the CPU compiles kvcupy's kernels (Numba),
+    once: it says so while it does.
     """
     plan = _rotation_plan(ctx, head_size, rotation)   # a usage error before any backend is probed
     device = _device(backend)
-    config = ReproConfig(head_size=head_size, kv_dtypes=_kv_dtypes(kv_dtype, ALL_KV_DTYPES),
+    config = ReproConfig(head_size=head_size, kv_dtypes=_kv_dtypes(kv_dtype),
                          rotation=plan, backend=device, prompt_len=prompt_len,
                          decode_steps=decode_steps, seed=seed)
-    with render.progress_display(total_steps(config), Console(stderr=True)) as display:
+    with render.progress_display(total_steps(config), Console(stderr=True)) as display, \
+            render.announcing_compiles(display):
         report = run_repro(config, display.advance)
     _print_report(report, as_json, render.repro_tables)
     raise typer.Exit(0 if report["passed"] else 1)
 
 
-@app.command()
+@app.command(cls=_Command)
 def bench(
     ctx: typer.Context,
     backend: str = choice_option(Backend.auto, help=BACKEND_HELP),
-    kv_dtype: str = choice_option(KvDtype.all, help="KV dtype to time; all: int4, int8, fp8, auto."),
+    kv_dtype: str = choice_option(KvDtype.all, help="KV dtypes to time; " + KV_DTYPE_GROUPS_HELP),
     phase: str = choice_option(Phase.all, help="Decode (8 seqs x 4096 tokens), prefill (1 x 2048, "
                                  "causal) or both."),
-    repeats: int = typer.Option(9, min=1, help="Timed calls per decode case, over all rounds (the "
-                                "median is reported)."),
-    prefill_repeats: int = typer.Option(3, min=1, help="Timed calls per prefill case (each takes seconds)."),
-    rounds: int = typer.Option(3, min=1, help="Rounds; each times the baseline, then every KV dtype."),
-    warmup: int = typer.Option(1, min=0, help="Untimed calls before a case's timed calls in a round "
-                               "(and at least 0.3 s of them)."),
+    repeats: str = int_option(9, minimum=1, help="Timed calls per decode case, over all rounds (the "
+                              "median is reported)."),
+    prefill_repeats: str = int_option(3, minimum=1, help="Timed calls per prefill case (each takes seconds)."),
+    rounds: str = int_option(3, minimum=1, help="Rounds; each times the baseline, then every KV dtype."),
+    warmup: str = int_option(1, minimum=0, help="Untimed calls before a case's timed calls in a round "
+                             "(and at least 0.3 s of them)."),
+    threads: str | None = int_option(None, minimum=1, maximum=bench_module.default_threads,
+                                     help="CPU only: threads for both sides, kvcupy's Numba kernels and "
+                                     "NumPy's BLAS (pinned with threadpoolctl) [default: as many as Numba "
+                                     "runs, every core unless NUMBA_NUM_THREADS says fewer]."),
     quick: bool = typer.Option(False, help="Small shapes (2 x 256 decode, 1 x 128 prefill; 8/2 heads)."),
     groups: str | None = typer.Option(None, help="CUDA only: case groups to time, comma-separated, of "
                                       "decode, sweep, prefill, prefill_sweep, write, rotate (default: those "
@@ -188,8 +246,11 @@ def bench(
     """Time paged decode and prefill for each KV dtype against NumPy dense attention.
 
     The layer is Llama-3-8B-like (32/8 heads, d = 128); the baseline is NumPy
-    float32 dense attention on already-dequantized K/V, timed in the same run.
-    The first call of each case compiles kvcupy's kernels, which can take a while.
+    float32 dense attention on already-dequantized K/V, timed in the same run,
+    both sides on the same number of threads (--threads; the report says how
+    many). It warns when the machine's load average is above its core count:
+    timings shared with other programs say little. A first run compiles
+    kvcupy's kernels, once, and says so while it does.
 
     With --backend cuda, decode, prefill, the write path and rotate run against
     torch SDPA in bf16, a device-to-device copy of the same bytes and a kernel
@@ -199,6 +260,8 @@ def bench(
     """
     device = _device(backend)
     if device == "cuda":
+        if _given_options(ctx, "threads"):
+            raise typer.BadParameter("only with --backend cpu (this run uses cuda)", param_hint="'--threads'")
         _bench_cuda(ctx, kv_dtype, phase, groups, quick, plot, as_json)
         return
     cuda_only = _given_options(ctx, "groups", "plot")
@@ -207,12 +270,19 @@ def bench(
                                  param_hint=" / ".join(cuda_only))
     shapes = tuple(shape for shape in (bench_module.QUICK_SHAPES if quick else bench_module.FULL_SHAPES)
                    if phase is Phase.all or shape.phase == phase.value)
-    kv_dtypes = _kv_dtypes(kv_dtype, bench_module.ALL_KV_DTYPES)
+    kv_dtypes = _kv_dtypes(kv_dtype)
     repeats_by_phase = {"decode": repeats, "prefill": prefill_repeats}
     steps = bench_module.total_steps(shapes, kv_dtypes, repeats_by_phase, rounds)
-    with render.progress_display(steps, Console(stderr=True)) as display:
+    threads = threads or bench_module.default_threads()
+    load = bench_module.load_average()
+    stderr = Console(stderr=True)
+    stderr.print(f"timing on {threads} thread(s), kvcupy and NumPy alike", markup=False, highlight=False)
+    warning = bench_module.busy_machine_warning(load, os.cpu_count() or 1)
+    if warning:
+        stderr.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+    with render.progress_display(steps, stderr) as display, render.announcing_compiles(display):
         report = bench_module.run_bench(shapes, kv_dtypes, device, warmup, repeats_by_phase, rounds,
-                                        display.advance, display.status)
+                                        display.advance, threads, load)
     _print_report(report, as_json, render.bench_tables)
 
 
@@ -222,8 +292,7 @@ def _bench_cuda(ctx: typer.Context, kv_dtype: KvDtype, phase: Phase, groups: str
     counts = {name: ctx.params[name] for name in ("repeats", "prefill_repeats", "rounds", "warmup")
               if _given_options(ctx, name)}
     try:
-        config = bench_cuda.make_config(phase.value, groups, _kv_dtypes(kv_dtype, bench_module.ALL_KV_DTYPES),
-                                        quick, **counts)
+        config = bench_cuda.make_config(phase.value, groups, _kv_dtypes(kv_dtype), quick, **counts)
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="'--groups'") from None
     if plot is not None:   # before the run, not after it
@@ -246,11 +315,11 @@ def _bench_cuda(ctx: typer.Context, kv_dtype: KvDtype, phase: Phase, groups: str
         Console(stderr=True).print(f"plot: {written}", markup=False, highlight=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 def info(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
     """Versions of kvcupy and its dependencies, and which backends are usable here (and why not)."""
     report = collect_info()
     _print_report(report, as_json, render.info_tables)
 
 
-app.command(name="check")(check_module.check)
+app.command(name="check", cls=_Command)(check_module.check)

@@ -13,8 +13,11 @@ Every case is timed with time.perf_counter around whole calls, in `rounds`
 rounds: each round times the baseline and then every KV dtype, so slow
 phases of a shared machine fall on all of them alike rather than on whichever
 case ran then. Each kvcupy case is called once before the rounds, which is
-where its kernels compile (the progress display says so, since on a first
-run that call alone takes seconds). Before its timed calls in a round, a case
+where its kernels compile on a first run (the command says so when they do).
+Both sides run on the same number of threads (`same_threads`): kvcupy's Numba
+kernels and NumPy's BLAS, pinned with threadpoolctl; the report says how many,
+and the machine's load average when the run began (timings taken while other
+programs share the cores say little). Before its timed calls in a round, a case
 is called untimed for at least `warmup` calls and SETTLE_S seconds: its
 memory is warm after that, and the previous case's threads have gone idle
 (OpenBLAS workers keep spinning for about 0.1 s after a matmul; measured on
@@ -27,52 +30,31 @@ kvcupy median: above 1, kvcupy is faster.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
+import numba
 import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
 
 import kvcupy
 from kvcupy import formats
+from kvcupy.bench.run import Progress, split_repeats
+from kvcupy.bench.shapes import Shape, attended_tokens
 
 BLOCK_SIZE = 16
 MODEL_DTYPE = np.dtype(np.float16)
-ALL_KV_DTYPES = ("int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "auto")
 SEED = 0
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One benchmark case: decode (one new token per sequence) or causal prefill:
-    of each sequence's seq_len tokens the last new_tokens are the query, the
-    rest are cached (chunked prefill); new_tokens 0: the whole prompt is new."""
-
-    phase: str
-    num_seqs: int
-    seq_len: int
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    new_tokens: int = 0
-
-    @property
-    def query_len(self) -> int:
-        return 1 if self.phase == "decode" else (self.new_tokens or self.seq_len)
-
-    @property
-    def group(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
 
 # A Llama-3-8B-like layer (32 query heads, 8 KV heads, d = 128) at a long context.
 FULL_SHAPES = (Shape("decode", 8, 4096, 32, 8, 128), Shape("prefill", 1, 2048, 32, 8, 128))
 # Small enough for tests: a second or two in all.
 QUICK_SHAPES = (Shape("decode", 2, 256, 8, 2, 128), Shape("prefill", 1, 128, 8, 2, 128))
-
-Progress = Callable[[str], None]   # called with the name of a step that ended, or starts
-
 
 @dataclass(frozen=True)
 class Inputs:
@@ -107,12 +89,6 @@ def time_calls(call: Callable[[], object], warmup: int, repeats: int) -> list[fl
         call()
         times.append(time.perf_counter() - begin)
     return times
-
-
-def split_repeats(repeats: int, rounds: int) -> list[int]:
-    """Timed calls per round: `repeats` spread as evenly as possible, rounds with none dropped."""
-    per_round = [repeats // rounds + (index < repeats % rounds) for index in range(rounds)]
-    return [count for count in per_round if count]
 
 
 def dense_attention_call(shape: Shape, inputs: Inputs) -> Callable[[], np.ndarray]:
@@ -163,26 +139,60 @@ def paged_attention_call(shape: Shape, inputs: Inputs, kv_dtype: str, device: st
     return attend, cache
 
 
-def attended_tokens(shape: Shape) -> int:
-    """Cached tokens summed over the query tokens that attend to them: the cache
-    bytes read, in tokens, when each query reads its visible K/V once. Decode
-    reads each sequence's cache once; a causal prefill of L tokens L(L+1)/2 rows."""
-    first = shape.seq_len - shape.query_len + 1   # keys the first query token sees
-    per_seq = (first + shape.seq_len) * shape.query_len // 2
-    return shape.num_seqs * per_seq
+def default_threads() -> int:
+    """Threads both sides get unless told: as many as Numba starts (every core, by default)."""
+    return numba.config.NUMBA_NUM_THREADS
+
+
+def load_average() -> float | None:
+    """The machine's load average over the last minute; None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_machine_warning(load: float | None, cores: int) -> str | None:
+    """A warning when other work already keeps more than every core busy."""
+    if load is None or load <= cores:
+        return None
+    return (f"the load average ({load:.2f}) is above this machine's {cores} cores: other programs "
+            "share the CPUs, so these timings are not to be trusted; bench an idle machine")
+
+
+def blas_pools() -> list[dict]:
+    """NumPy's BLAS libraries (threadpoolctl) and the threads each runs on now."""
+    return [{"library": pool["internal_api"], "version": pool.get("version"), "num_threads": pool["num_threads"]}
+            for pool in threadpool_info() if pool["user_api"] == "blas"]
+
+
+@contextmanager
+def same_threads(threads: int) -> Iterator[None]:
+    """Both sides on `threads` threads: kvcupy's Numba kernels and NumPy's BLAS.
+
+    Left alone, each side sizes its own pool (OpenBLAS from its build and
+    OPENBLAS_NUM_THREADS, Numba from NUMBA_NUM_THREADS), and a ratio of two
+    different thread counts compares the counts as much as the kernels.
+    """
+    saved = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        with threadpool_limits(limits=threads, user_api="blas"):
+            yield
+    finally:
+        numba.set_num_threads(saved)
 
 
 def bench_shape(shape: Shape, kv_dtypes: tuple[str, ...], device: str, warmup: int, repeats: int,
-                rounds: int, progress: Progress, status: Progress) -> list[dict]:
+                rounds: int, progress: Progress) -> list[dict]:
     """The baseline and each KV dtype on one shape, interleaved in rounds.
-    progress(name): a case's calls in a round are done; status(text): what starts now."""
+    progress(name): a case's calls in a round are done."""
     inputs = make_inputs(shape, np.random.default_rng(SEED))
     calls = {"baseline": dense_attention_call(shape, inputs)}
     caches = {}
     for kv_dtype in kv_dtypes:
-        # Writing the cache and the first call compile the kernels this case needs
-        # (Numba: seconds each, first run only; later runs load them from its cache).
-        status(f"{shape.phase}: {kv_dtype}: compiling kernels (first run only)")
+        # Writing the cache and the first call compile the kernels a case needs, where
+        # they are not compiled yet: before the rounds, so that no timed call compiles.
         calls[kv_dtype], caches[kv_dtype] = paged_attention_call(shape, inputs, kv_dtype, device)
         calls[kv_dtype]()
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -206,14 +216,21 @@ def bench_shape(shape: Shape, kv_dtypes: tuple[str, ...], device: str, warmup: i
 
 
 def run_bench(shapes: tuple[Shape, ...], kv_dtypes: tuple[str, ...], device: str, warmup: int,
-              repeats: dict[str, int], rounds: int, progress: Progress, status: Progress) -> dict:
-    """repeats: timed calls per case and phase ("decode", "prefill"), spread over `rounds` rounds."""
+              repeats: dict[str, int], rounds: int, progress: Progress, threads: int,
+              load: float | None = None) -> dict:
+    """repeats: timed calls per case and phase ("decode", "prefill"), spread over `rounds` rounds;
+    threads: what both sides run on (same_threads); load: the load average as the run began."""
     cases = []
-    for shape in shapes:
-        cases += bench_shape(shape, kv_dtypes, device, warmup, repeats[shape.phase], rounds, progress,
-                             status)
+    with same_threads(threads):
+        blas = blas_pools()
+        for shape in shapes:
+            cases += bench_shape(shape, kv_dtypes, device, warmup, repeats[shape.phase], rounds, progress)
+    cores = os.cpu_count() or 1
+    warning = busy_machine_warning(load, cores)
     return {"backend": device, "model_dtype": MODEL_DTYPE.name, "block_size": BLOCK_SIZE,
-            "warmup": warmup, "settle_s": SETTLE_S, "rounds": rounds, "cases": cases}
+            "warmup": warmup, "settle_s": SETTLE_S, "rounds": rounds, "threads": threads,
+            "blas": blas, "cores": cores, "load_average": load, "warnings": [warning] if warning else [],
+            "cases": cases}
 
 
 def total_steps(shapes: tuple[Shape, ...], kv_dtypes: tuple[str, ...], repeats: dict[str, int],

@@ -1,6 +1,6 @@
 """`kvcupy check`: compile the CUDA specialisations kvcupy can launch, without a GPU.
 
-What to compile comes from `kvcupy.backends.cuda_specs` (a sample, or --all);
+What to compile comes from `kvcupy.backends.cuda.specs` (a sample, or --all);
 each is built through NVRTC for each --arch and reported with the registers
 and spills ptxas logged. A specialisation that does not compile, or whose
 module lacks a kernel its launcher asks for, fails the check (exit status 1)
@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvcupy import jit
-from kvcupy.backends.cuda_specs import Specialisation, specialisations
+from kvcupy.backends.cuda.specs import Specialisation, specialisations
 
 from . import render
 
@@ -158,8 +158,9 @@ def check(
         from cupy.cuda import nvrtc
         nvrtc.getVersion()
     except Exception as error:   # CuPy raises more than ImportError when NVRTC is missing
+        # soft_wrap: one line however narrow the console, so that the message reads whole in a log.
         Console(stderr=True).print(f"kvcupy check needs CuPy and NVRTC (pip install 'kvcupy[cuda13]'): {error}",
-                                   markup=False)
+                                   markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     arches = parse_arches(arch)
     specs = select(specialisations(all_specs), kernels, defines)

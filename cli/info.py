@@ -12,7 +12,7 @@ import kvcupy
 from kvcupy.backends import list_backends as all_backend_status
 
 # Imported to read their versions; CuPy is optional and reported only when importable.
-REQUIRED_PACKAGES = ("numpy", "numba", "ml_dtypes")
+REQUIRED_PACKAGES = ("numpy", "numba", "ml_dtypes", "threadpoolctl")
 OPTIONAL_PACKAGES = ("cupy",)
 
 
@@ -52,8 +52,15 @@ def compiler() -> dict[str, str]:
     return found
 
 
+def cpu_kernel_cache() -> dict[str, str]:
+    """Where the CPU backend's compiled kernels (Numba) are kept, across runs."""
+    from kvcupy.backends import cpu_kernels
+    return {"cpu kernel cache": cpu_kernels.CACHE_DIR or
+            "none: no writable folder (set KVCUPY_CACHE_DIR); each run compiles the CPU kernels"}
+
+
 def collect_info() -> dict:
-    """Versions (with NVRTC and the compile cache where CuPy is installed), and every
-    backend's status; the CUDA backend's detail names the GPU."""
-    return {"versions": versions() | compiler(),
+    """Versions (with NVRTC and the compile cache where CuPy is installed), where the CPU
+    kernels are cached, and every backend's status; the CUDA backend's detail names the GPU."""
+    return {"versions": versions() | cpu_kernel_cache() | compiler(),
             "backends": [asdict(status) for status in all_backend_status()]}

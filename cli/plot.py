@@ -1,6 +1,6 @@
 """`kvcupy bench --backend cuda --plot PATH`: the bench's two sweeps, drawn.
 
-Reads the report `bench_cuda.run_bench` builds (the same numbers as --json).
+Reads the report `kvcupy.bench.run_bench` builds (the same numbers as --json).
 Decode: effective bandwidth against context length, the decode groups of the
 sweep's geometry, one line per series (kvcupy at the sweep's KV dtypes, dense
 bf16 SDPA, the streaming kernel at its fastest split count, and the

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -22,10 +23,12 @@ def _verdict(passed: bool) -> str:
 @dataclass(frozen=True)
 class ProgressDisplay:
     """advance(description): one unit of work is done, `description` names it.
-    status(description): what runs now, when it may run long (it does not advance)."""
+    status(description): what runs now, when it may run long (it does not advance).
+    note(text): a line that stays, above the bar on a terminal."""
 
     advance: Callable[[str], None]
     status: Callable[[str], None]
+    note: Callable[[str], None]
 
 
 @contextmanager
@@ -33,17 +36,47 @@ def progress_display(total: int, console: Console) -> Iterator[ProgressDisplay]:
     """A transient bar (gone when done) on a terminal. Elsewhere (a log, a pipe,
     CI) no bar, but each status is printed as a line of its own, so that a
     long quiet step, such as compiling kernels, is explained where it happens."""
+    def line(text: str) -> None:
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+
     if not console.is_terminal:
-        yield ProgressDisplay(advance=lambda description: None,
-                              status=lambda description: console.print(description, markup=False,
-                                                                       highlight=False, soft_wrap=True))
+        yield ProgressDisplay(advance=lambda description: None, status=line, note=line)
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("starting", total=total)
         yield ProgressDisplay(
             advance=lambda description: progress.update(task, advance=1, description=description),
-            status=lambda description: progress.update(task, description=description))
+            status=lambda description: progress.update(task, description=description),
+            note=line)
+
+
+def first_compile_note(cache_dir: str | None) -> str:
+    """What a user waits for while kvcupy's CPU kernels compile, and why only once."""
+    kept = (f"later runs load them from {cache_dir}" if cache_dir else
+            "no cache folder can be written here (set KVCUPY_CACHE_DIR), so every run compiles them")
+    return ("Compiling kvcupy's CPU kernels (Numba; rotation, quantization, paged attention): "
+            "a first run does this once, usually in about a minute on 2 cores (longer on a busy "
+            f"machine); {kept}.")
+
+
+@contextmanager
+def announcing_compiles(display: ProgressDisplay) -> Iterator[None]:
+    """While the block runs, say so when one of kvcupy's CPU kernels compiles: a note
+    the first time, then the kernel's name as the status. A run that finds them
+    compiled (in this process, or in the cache on disk) says nothing."""
+    from kvcupy.backends import cpu, cpu_kernels
+
+    noted = []
+
+    def report(kernel: str) -> None:
+        if not noted:
+            display.note(first_compile_note(cpu_kernels.CACHE_DIR))
+            noted.append(kernel)
+        display.status(f"compiling {kernel} (first run only)")
+
+    with cpu.reporting_compiles(report):
+        yield
 
 
 def repro_tables(report: dict) -> Group:
@@ -90,10 +123,14 @@ def info_tables(info: dict) -> Group:
 
 def bench_tables(report: dict) -> Group:
     """One table per benchmark shape (phase), its NumPy baseline in the title."""
+    blas = ", ".join(f"{pool['library']} {pool['num_threads']}" for pool in report["blas"]) or "none found"
+    load = "unknown" if report["load_average"] is None else f"{report['load_average']:.2f}"
     header = (f"kvcupy bench: backend {report['backend']}, {report['model_dtype']} inputs, "
               f"block size {report['block_size']}, median of repeated calls over {report['rounds']} "
               "interleaved rounds; speedup = NumPy "
-              "float32 dense attention on already-dequantized K/V / kvcupy (> 1: kvcupy faster)")
+              "float32 dense attention on already-dequantized K/V / kvcupy (> 1: kvcupy faster)\n"
+              f"threads: {report['threads']} on both sides (kvcupy's Numba kernels; NumPy's BLAS, pinned "
+              f"with threadpoolctl: {blas}); {report['cores']} cores, load average {load} at the start")
     tables = {}
     for case in report["cases"]:
         if case["phase"] not in tables:
@@ -107,4 +144,5 @@ def bench_tables(report: dict) -> Group:
             tables[case["phase"]] = table
         tables[case["phase"]].add_row(case["kv_dtype"], case["rotation"], f"{1e3 * case['median_s']:.2f}",
                                       f"{case['speedup_vs_baseline']:.2f}x", f"{case['cache_gb_per_s']:.2f}")
-    return Group(header, *tables.values())
+    warnings = [f"[bold yellow]warning:[/] {escape(warning)}" for warning in report["warnings"]]
+    return Group(header, *tables.values(), *warnings)

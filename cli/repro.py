@@ -26,7 +26,6 @@ import numpy as np
 
 import kvcupy
 from kvcupy import formats, reference
-from kvcupy.formats import QUANTIZED_KV_DTYPES
 from kvcupy.rotation import RotationPlan
 
 from . import bounds
@@ -37,10 +36,6 @@ NUM_HEADS = 32
 NUM_KV_HEADS = 32
 BLOCK_SIZE = 16
 MODEL_DTYPE = np.dtype(np.float16)
-# `--kv-dtype all`: the quantized formats. `auto` (float16, unquantized) runs on request
-# only: its check costs one more float64 oracle pass, about a fifth of the run, and
-# shows no more than float16 rounding of the rotated vectors.
-ALL_KV_DTYPES = QUANTIZED_KV_DTYPES
 
 Progress = Callable[[str], None]   # called as each unit of work ends, with its name
 

@@ -84,7 +84,7 @@ class BatchPlan:
     host: dict[str, np.ndarray] | None
     _uploads: _Uploads
     table_width: int = 0   # block_table's columns: with block_size, a bound on every length
-    tuning: Any = None     # a backend's tunables (e.g. backends.cuda_attention.Tuning); None: its defaults
+    tuning: Any = None     # a backend's tunables (e.g. backends.cuda.tuning.Tuning); None: its defaults
     _backend_plans: dict = field(default_factory=dict)
 
     @property
@@ -115,8 +115,15 @@ class BatchPlan:
 
 
 def _check_contents(table: np.ndarray, lens: np.ndarray, starts: np.ndarray,
-                    block_size: int, num_blocks: int, num_query_tokens: int | None) -> None:
-    """Every rule of the batch's contents, vectorised; ValueError naming the first break."""
+                    block_size: int, num_blocks: int, num_query_tokens: int | None,
+                    starts_given: bool = True) -> None:
+    """Every rule of the batch's contents, vectorised; ValueError naming the first break.
+    starts_given: cu_seqlens_q came from the caller (else it is decode's one token each)."""
+    if not starts_given and num_query_tokens is not None and starts[-1] != num_query_tokens:
+        tokens = f"{num_query_tokens} query token{'' if num_query_tokens == 1 else 's'}"
+        raise ValueError(f"{tokens} for {lens.size} sequences (seq_lens): "
+                         "without cu_seqlens_q each sequence takes exactly one (decode); pass "
+                         "cu_seqlens_q to give a sequence several")
     if starts[0] != 0 or np.any(np.diff(starts) < 0) or (
             num_query_tokens is not None and starts[-1] != num_query_tokens):
         expected = "" if num_query_tokens is None else f" ({num_query_tokens})"
@@ -145,7 +152,7 @@ def plan_batch(*, block_table, seq_lens, cu_seqlens_q=None, block_size: int, num
                num_query_tokens: int | None = None, validate: bool = False, tuning=None) -> BatchPlan:
     """Check a batch's metadata once (module docstring's policy) and plan it.
     `tuning`: the backend's tunables for this batch's plans (the CUDA backend's
-    cuda_attention.Tuning); None takes its defaults."""
+    kvcupy.backends.cuda.tuning.Tuning); None takes its defaults."""
     lens = _index(seq_lens, "seq_lens", 1)
     num_seqs = lens.shape[0]
     table = _index(block_table, "block_table", 2)
@@ -170,7 +177,7 @@ def plan_batch(*, block_table, seq_lens, cu_seqlens_q=None, block_size: int, num
     if on_host or validate:
         host = {name: np.ascontiguousarray(_to_host(a), dtype=np.int32) for name, a in named.items()}
         _check_contents(host["block_table"], host["seq_lens"], host["cu_seqlens_q"],
-                        block_size, num_blocks, num_query_tokens)
+                        block_size, num_blocks, num_query_tokens, starts_given=cu_seqlens_q is not None)
     host_arrays = {name: host[name] for name, a in named.items() if a.device == HOST} if host else {
         name: np.ascontiguousarray(a.data, dtype=np.int32) for name, a in named.items() if a.device == HOST}
     device_arrays = {name: a for name, a in named.items() if a.device != HOST}

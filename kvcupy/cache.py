@@ -9,7 +9,9 @@ ever need the copy, because tokens are only ever appended.
 
 Sequence ids are any hashable values (ints when the manager picks them). An id
 the manager does not hold raises KeyError naming it; every other bad argument
-raises TypeError / ValueError, as ops.py's do, and changes nothing.
+raises TypeError / ValueError, as ops.py's do, and changes nothing. Attention
+over a layer that reserved tokens were not yet written to raises RuntimeError:
+it would read whatever those slots held before.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import itertools
 import numbers
 from collections import Counter
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,6 +49,19 @@ class CacheStats:
     tokens: int
     bytes: int
     bytes_per_token: int
+
+
+@dataclass(eq=False)
+class _Reservation:
+    """Tokens one reserve() call handed out, and the layers not yet written with them."""
+
+    slot_mapping: np.ndarray                       # what reserve() returned
+    new_tokens: dict                               # seq_id -> tokens reserved for it
+    unwritten_layers: set = field(default_factory=set)
+
+
+def _tokens(count: int) -> str:
+    return f"{count} token{'' if count == 1 else 's'}"
 
 
 def _count(value, name: str, minimum: int = 0) -> int:
@@ -82,12 +97,29 @@ class PagedKVCache:
     """Pages, block tables and slot mappings of a `num_layers`-layer paged KV cache.
 
     `layers[i]` is layer i's KVCache (kvcupy.allocate_cache); `rotation` is the
-    plan every layer shares. A step of a serving loop reads:
+    plan every layer shares. A sequence starts with add_sequence() and ends with
+    free(); each step of a serving loop reserves its new tokens' slots once, then
+    every layer writes their K/V and attends:
 
-        slot_mapping = mgr.reserve(seq_ids, num_new_tokens)
-        for layer in range(num_layers):
-            mgr.write(layer, key, value, slot_mapping)
-            out = mgr.attention(layer, query, seq_ids, query_lens=num_new_tokens)
+    >>> import numpy as np, kvcupy as kc
+    >>> mgr = kc.PagedKVCache(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_size=64)
+    >>> seq_ids = [mgr.add_sequence(), mgr.add_sequence()]
+    >>> rng = np.random.default_rng(0)
+    >>> for num_new_tokens in (5, 1):              # a prompt of 5 tokens each, then a decode step
+    ...     slot_mapping = mgr.reserve(seq_ids, num_new_tokens)
+    ...     tokens = len(seq_ids) * num_new_tokens
+    ...     for layer in range(mgr.num_layers):    # the model's K/V and query of this layer
+    ...         key, value = rng.standard_normal((2, tokens, 2, 64)).astype(np.float16)
+    ...         query = rng.standard_normal((tokens, 4, 64)).astype(np.float16)
+    ...         mgr.write(layer, key, value, slot_mapping)
+    ...         out = mgr.attention(layer, query, seq_ids, query_lens=num_new_tokens)
+    >>> out.shape                                  # [tokens, query heads, head size]
+    (2, 4, 64)
+    >>> mgr
+    PagedKVCache(num_layers=2, kv_dtype='int4_per_token_head', head_size=64, num_kv_heads=2,
+                 block_size=16, pages=2/8 used, sequences=2, tokens=12, device=cpu,
+                 rotation='64 = 64 x 1 (block-diagonal H_64), preset kvcupy')
+    >>> mgr.free(seq_ids[0])
 
     On a GPU, write and attention run on the stream of their arrays (torch's
     current stream for torch tensors, ...: kvcupy.ops); reserve's copy-on-write
@@ -123,10 +155,24 @@ class PagedKVCache:
         # plans by (sequences, query lengths). Any change to the pages clears both.
         self._step_slots: dict[int, tuple[np.ndarray, SlotMapping]] = {}
         self._step_batches: dict[tuple, BatchPlan] = {}
+        # Reserved tokens some layer has not been written with: attention over that
+        # layer would read stale slots, so it refuses until write() has run.
+        self._unwritten: list[_Reservation] = []
         # Whose stream the copy-on-write copies in reserve() run on: that of the
         # latest write / attention call's arrays (torch's current stream for torch
         # callers), so that they are ordered with the kernels around them.
         self._stream = interop.CUPY_STREAM
+
+    def __repr__(self) -> str:
+        # One line: geometry, format and occupancy, never the tensors' contents.
+        first = self.layers[0]
+        rotation = self.rotation.describe() + (f", preset {self.rotation.preset}" if self.rotation.preset else "")
+        stats = self.stats()
+        return (f"PagedKVCache(num_layers={self.num_layers}, kv_dtype={first.kv_dtype!r}, "
+                f"head_size={first.head_size}, num_kv_heads={first.num_kv_heads}, "
+                f"block_size={self.block_size}, pages={stats.pages_used}/{stats.pages_total} used, "
+                f"sequences={stats.sequences}, tokens={stats.tokens}, device={self.device}, "
+                f"rotation={rotation!r})")
 
     @property
     def device(self) -> interop.Device:
@@ -174,6 +220,9 @@ class PagedKVCache:
         self._seq_lens[new_seq_id] = self._seq_lens[seq_id]
         for page in pages:
             self._ref_counts[page] += 1
+        for reservation in self._unwritten:   # the fork reads the same pages, written or not
+            if seq_id in reservation.new_tokens:
+                reservation.new_tokens[new_seq_id] = reservation.new_tokens[seq_id]
         return new_seq_id
 
     def free(self, seq_id) -> None:
@@ -182,6 +231,9 @@ class PagedKVCache:
             self._release(page)
         self._new_step()
         del self._seq_lens[seq_id]
+        for reservation in self._unwritten:
+            reservation.new_tokens.pop(seq_id, None)
+        self._unwritten = [r for r in self._unwritten if r.new_tokens]
 
     # --- pages --------------------------------------------------------------
 
@@ -193,7 +245,8 @@ class PagedKVCache:
         seq_ids order, ready for `write`. All or nothing: when the free pages do
         not cover every sequence (copy-on-write copies included), raises
         CacheFullError and changes nothing. The lengths advance at once: write
-        the tokens before the next `attention` over these sequences.
+        the tokens (`write`, every layer) before the next `attention` over these
+        sequences: until then, attention over a layer not written raises RuntimeError.
         """
         seq_ids = self._distinct_known(seq_ids)
         counts = _counts(num_new_tokens, "num_new_tokens", len(seq_ids))
@@ -211,6 +264,9 @@ class PagedKVCache:
         slot_mapping.flags.writeable = False
         self._step_slots[id(slot_mapping)] = (slot_mapping, plan_slots(
             slot_mapping, num_slots=self.num_blocks * self.block_size))
+        new_tokens = {seq_id: count for seq_id, count in zip(seq_ids, counts) if count}
+        if new_tokens:
+            self._unwritten.append(_Reservation(slot_mapping, new_tokens, set(range(self.num_layers))))
         return slot_mapping
 
     def _new_step(self) -> None:
@@ -280,11 +336,23 @@ class PagedKVCache:
         """Quantize key/value [T, Hk, d] into layer `layer` at `slot_mapping` (from reserve:
         checked once then, whatever the number of layers)."""
         cache = self.layers[_index(layer, "layer", self.num_layers)]
+        given = slot_mapping
         known = self._step_slots.get(id(slot_mapping))
         if known is not None and known[0] is slot_mapping:
             slot_mapping = known[1]
         ops.reshape_and_cache(key, value, cache, slot_mapping)
         self._stream = interop.stream_source(key)
+        self._written(layer, given)
+
+    def _written(self, layer: int, slot_mapping) -> None:
+        """Layer `layer` now holds the tokens of the reservation that returned slot_mapping."""
+        mine = [r for r in self._unwritten if r.slot_mapping is slot_mapping]
+        # A slot mapping reserve() did not return (a device copy of one, say) cannot be
+        # traced to its tokens: it counts as writing every pending reservation's, so a
+        # correct loop never sees a false refusal.
+        for reservation in mine or self._unwritten:
+            reservation.unwritten_layers.discard(layer)
+        self._unwritten = [r for r in self._unwritten if r.unwritten_layers]
 
     def attention(self, layer: int, query, seq_ids, *, query_lens=None,
                   softmax_scale: float | None = None, sliding_window: int | None = None,
@@ -293,9 +361,21 @@ class PagedKVCache:
 
         query [T, Hq, d] holds query_lens[i] tokens of seq_ids[i], back to back:
         the last query_lens[i] positions of that sequence (None: one each, decode).
+        Raises RuntimeError when tokens reserve() gave these sequences have not
+        been written to this layer yet.
         """
         cache = self.layers[_index(layer, "layer", self.num_layers)]
-        out = ops.paged_attention(query, cache, batch=self.plan(seq_ids, query_lens),
+        if not isinstance(seq_ids, (list, tuple, str, bytes)) and hasattr(seq_ids, "__iter__"):
+            seq_ids = list(seq_ids)   # read twice below
+        batch = self.plan(seq_ids, query_lens)
+        self._check_written(layer, seq_ids)
+        shape = getattr(query, "shape", None)   # ops.paged_attention checks the rest of query
+        if shape is not None and len(shape) == 3 and shape[0] != batch.num_query_tokens:
+            asked = ("query_lens=None (one each, decode)" if query_lens is None
+                     else f"query_lens={query_lens!r}")
+            raise ValueError(f"query has {_tokens(shape[0])}; {asked} asks {batch.num_query_tokens} "
+                             f"for the {len(seq_ids)} sequence(s) of seq_ids")
+        out = ops.paged_attention(query, cache, batch=batch,
                                   softmax_scale=softmax_scale, sliding_window=sliding_window,
                                   softcap=softcap, sinks=sinks, out=out)
         self._stream = interop.stream_source(query)
@@ -352,6 +432,17 @@ class PagedKVCache:
         )
 
     # --- argument checks ----------------------------------------------------
+
+    def _check_written(self, layer: int, seq_ids) -> None:
+        for reservation in self._unwritten:
+            if layer not in reservation.unwritten_layers:
+                continue
+            for seq_id in seq_ids:
+                if seq_id in reservation.new_tokens:
+                    raise RuntimeError(
+                        f"layer {layer} does not hold the {_tokens(reservation.new_tokens[seq_id])} "
+                        f"reserve() gave sequence {seq_id!r} yet: call write({layer}, key, value, "
+                        "slot_mapping) with reserve()'s slot_mapping before attention over it")
 
     def _known(self, seq_id):
         if not isinstance(seq_id, Hashable) or seq_id not in self._seq_lens:

@@ -378,12 +378,13 @@ def _cached_result(key: str, arch: str, cubin: Path) -> CompileResult:
 
 
 def compile_entry(entry: str, defines: Defines | None = None, arch: str | None = None,
-                  extra_options: tuple[str, ...] = ()) -> CompileResult:
+                  extra_options: tuple[str, ...] = (), root: Path | None = None) -> CompileResult:
     """The cubin of one specialisation, from the disk cache or compiled now. Needs no GPU
-    when `arch` is given (the current device's arch otherwise)."""
+    when `arch` is given (the current device's arch otherwise). `root`: the folder of
+    the entry and its headers (default: source_dir(); the bench compiles its own)."""
     defines = dict(defines or {})
     arch = arch or device_arch()
-    root = source_dir()
+    root = Path(root) if root is not None else source_dir()
     key = specialisation_key(entry, defines, arch, extra_options, root)
     folder = _version_dir() / arch
     cubin_path = folder / f"{key}.cubin"
@@ -412,16 +413,19 @@ _lock = threading.Lock()
 _modules: dict = {}
 
 
-def get_function(entry: str, function: str, defines: Defines, arch: str | None = None):
+def get_function(entry: str, function: str, defines: Defines, arch: str | None = None,
+                 root: Path | None = None):
     """Kernel `function` (extern "C") of kernels_cu/<entry>.cu with `defines`, for the current
     device (a cupy.RawKernel: it launches on CuPy's current stream). `arch` defaults to the
-    device's own, e.g. sm_90; pass "sm_90a" for a kernel that needs sm_90a-only instructions."""
+    device's own, e.g. sm_90; pass "sm_90a" for a kernel that needs sm_90a-only instructions.
+    `root`: another source folder than source_dir(), as for compile_entry."""
     import cupy
     device = cupy.cuda.runtime.getDevice()
-    memo_key = (device, os.environ.get(SOURCE_DIR_ENV), entry, define_flags(defines), arch, EXTRA_OPTIONS)
+    memo_key = (device, os.environ.get(SOURCE_DIR_ENV), root and str(root), entry, define_flags(defines), arch,
+                EXTRA_OPTIONS)
     module = _modules.get(memo_key)
     if module is None:
-        result = compile_entry(entry, defines, arch or device_arch())
+        result = compile_entry(entry, defines, arch or device_arch(), root=root)
         module = cupy.RawModule(path=str(result.path))
         with _lock:
             module = _modules.setdefault(memo_key, module)

@@ -340,8 +340,9 @@ def _batch(batch, arrays: CacheArrays, num_tokens: int, block_table, seq_lens, c
         raise ValueError(f"batch was planned for {batch.num_blocks} blocks of {batch.block_size}; "
                          f"the cache has {arrays.num_blocks} of {arrays.block_size}")
     if batch.num_query_tokens not in (None, num_tokens):
-        raise ValueError(f"query has {num_tokens} tokens; batch's cu_seqlens_q ends at "
-                         f"{batch.num_query_tokens}")
+        raise ValueError(f"query has {num_tokens} token{'' if num_tokens == 1 else 's'}; batch was planned for "
+                         f"{batch.num_query_tokens} (its cu_seqlens_q, or one per sequence "
+                         "when planned without one)")
     return batch
 
 

@@ -1,4 +1,4 @@
-"""`kvcupy bench --backend cuda` (cli/bench_cuda.py, cli/plot.py, kernels_cu/stream_pages.cu).
+"""`kvcupy bench --backend cuda` (kvcupy/bench/, cli/plot.py, kvcupy/bench/kernels_cu/).
 
 Without a GPU: the byte and FLOP accounting against numbers worked by hand,
 the planning of groups and cases, the whole run and its JSON report through a
@@ -21,13 +21,19 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from cli import app as app_module
-from cli import bench_cuda, plot
+from cli import plot
 from cli.app import app
-from cli.bench import Shape
-from cli.bench_cuda import (DECODE_D96, DECODE_MAIN, RotateShape, WRITE_MAIN, Case, Group,
-                            attention_bytes, attention_flops, cache_bytes, case_bytes, copy_bytes,
-                            query_output_bytes, rotate_bytes, stream_bytes, write_bytes)
 from kvcupy import backends, formats
+from kvcupy import bench as bench_cuda   # the package the CLI calls: CudaRunner is patched there
+from kvcupy.bench import accounting as bench_accounting
+from kvcupy.bench import kernels as bench_kernels
+from kvcupy.bench import run as bench_run
+from kvcupy.bench import shapes as bench_shapes
+from kvcupy.bench.accounting import (attention_bytes, attention_flops, cache_bytes, case_bytes, copy_bytes,
+                                     query_output_bytes, rotate_bytes, stream_bytes, write_bytes)
+from kvcupy.bench.shapes import DECODE_D96, DECODE_MAIN, WRITE_MAIN, Case, Group, RotateShape, Shape
+from kvcupy.bench.tables import tables
+from kvcupy.bench.targets import TARGETS
 
 runner = CliRunner()
 
@@ -94,7 +100,7 @@ def test_causal_prefill_flops_count_the_triangle(num_seqs, seq_len):
 def test_chunked_prefill_flops_count_the_cached_keys_in_full():
     """The prefill issue's chunked target: 2048 new tokens over 30720 cached, the
     rectangle of cached keys counted in full, the new tokens' own triangle as above."""
-    shape = bench_cuda.PREFILL_CHUNKED
+    shape = bench_shapes.PREFILL_CHUNKED
     assert (shape.num_seqs, shape.query_len, shape.seq_len - shape.query_len) == (4, 2048, 30720)
     rectangle = 2048 * 30720
     triangle = 2048 * 2049 // 2
@@ -105,7 +111,7 @@ def test_chunked_prefill_flops_count_the_cached_keys_in_full():
 
 
 def test_chunked_prefill_is_labelled_as_such():
-    assert Group("prefill", bench_cuda.PREFILL_CHUNKED, KV_DTYPES).label == (
+    assert Group("prefill", bench_shapes.PREFILL_CHUNKED, KV_DTYPES).label == (
         "prefill 4 x 2048 new over 30720 cached, causal, 32/8 heads, d = 128")
     assert Group("prefill", Shape("prefill", 4, 8192, 32, 8, 128), KV_DTYPES).label == (
         "prefill 4 x 8192 causal, 32/8 heads, d = 128")
@@ -120,7 +126,7 @@ def test_sdpa_takes_the_lower_right_diagonal_for_a_chunk():
     # as kvcupy and the oracle mask it (is_causal would give it keys 0 .. i).
     small = runner._sdpa_causal(Shape("prefill", 1, 6, 2, 1, 8, new_tokens=2))["attn_mask"]
     assert small._materialize().tolist() == [[True] * 5 + [False], [True] * 6]
-    mask = runner._sdpa_causal(bench_cuda.PREFILL_CHUNKED)["attn_mask"]
+    mask = runner._sdpa_causal(bench_shapes.PREFILL_CHUNKED)["attn_mask"]
     assert (mask.seq_len_q, mask.seq_len_kv) == (2048, 32768)
 
 
@@ -161,10 +167,10 @@ def test_stream_bytes_are_the_cache_and_one_word_a_block():
 
 def test_only_attention_cases_have_flops():
     decode = Group("decode", DECODE_MAIN, KV_DTYPES)
-    assert bench_cuda.case_flops(decode, Case("kvcupy", "auto")) == attention_flops(DECODE_MAIN)
-    assert bench_cuda.case_flops(decode, Case("sdpa", sdpa_backend="default")) == attention_flops(DECODE_MAIN)
+    assert bench_accounting.case_flops(decode, Case("kvcupy", "auto")) == attention_flops(DECODE_MAIN)
+    assert bench_accounting.case_flops(decode, Case("sdpa", sdpa_backend="default")) == attention_flops(DECODE_MAIN)
     for case in (Case("copy", "auto"), Case("stream", "auto", splits=64)):
-        assert bench_cuda.case_flops(decode, case) is None, case
+        assert bench_accounting.case_flops(decode, case) is None, case
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -172,43 +178,43 @@ def test_only_attention_cases_have_flops():
 @pytest.mark.parametrize("model_dtype", [BF16, FP16])
 def test_stream_defines_cover_a_tokens_bytes(kv_dtype, num_kv_heads, head_size, model_dtype):
     """K row + V row + their scales, as the kernel reads them, is what formats counts a token."""
-    defines = bench_cuda.stream_defines(num_kv_heads, head_size, kv_dtype, model_dtype)
+    defines = bench_kernels.stream_defines(num_kv_heads, head_size, kv_dtype, model_dtype)
     per_token = formats.kv_dtype_info(kv_dtype).bytes_per_token(num_kv_heads, head_size, model_dtype)
     assert 2 * (defines["KVC_ROW_BYTES"] + defines["KVC_SCALE_ROW_BYTES"]) == per_token, defines
-    assert defines["KVC_THREADS"] == bench_cuda.STREAM_THREADS
-    assert defines["KVC_BLOCK_SIZE"] == bench_cuda.BLOCK_SIZE
+    assert defines["KVC_THREADS"] == bench_kernels.STREAM_THREADS
+    assert defines["KVC_BLOCK_SIZE"] == bench_shapes.BLOCK_SIZE
 
 
 def test_stream_defines_of_int4_at_d128():
-    assert bench_cuda.stream_defines(8, 128, "int4_per_token_head", BF16) == {
+    assert bench_kernels.stream_defines(8, 128, "int4_per_token_head", BF16) == {
         "KVC_THREADS": 256, "KVC_BLOCK_SIZE": 16, "KVC_ROW_BYTES": 8 * 64, "KVC_SCALE_ROW_BYTES": 8 * 4}
 
 
 def test_input_sets_rotate_only_what_l2_could_hold():
-    assert bench_cuda.input_sets(1_140_850_688, H200_L2) == 1
-    assert bench_cuda.input_sets(4 * H200_L2, H200_L2) == 1
+    assert bench_accounting.input_sets(1_140_850_688, H200_L2) == 1
+    assert bench_accounting.input_sets(4 * H200_L2, H200_L2) == 1
     # 32 x 1024 int4 decode: 35.6 MB; six of them are 4 x 50 MiB.
     short = cache_bytes(Shape("decode", 32, 1024, 32, 8, 128), "int4_per_token_head", BF16)
-    assert bench_cuda.input_sets(short, H200_L2) == 6
-    assert bench_cuda.input_sets(1000, H200_L2) == bench_cuda.MAX_INPUT_SETS
+    assert bench_accounting.input_sets(short, H200_L2) == 6
+    assert bench_accounting.input_sets(1000, H200_L2) == bench_accounting.MAX_INPUT_SETS
 
 
 def test_stream_splits_stop_at_one_page_a_split():
-    assert bench_cuda.stream_splits(DECODE_MAIN) == (32, 64, 128, 256, 512)
-    assert bench_cuda.stream_splits(Shape("decode", 32, 1024, 32, 8, 128)) == (32, 64)   # 64 pages
-    assert bench_cuda.stream_splits(Shape("decode", 2, 100, 8, 2, 128)) == (7,)          # 7 pages
+    assert bench_shapes.stream_splits(DECODE_MAIN) == (32, 64, 128, 256, 512)
+    assert bench_shapes.stream_splits(Shape("decode", 32, 1024, 32, 8, 128)) == (32, 64)   # 64 pages
+    assert bench_shapes.stream_splits(Shape("decode", 2, 100, 8, 2, 128)) == (7,)          # 7 pages
 
 
 @pytest.mark.parametrize("repeats, estimate_ms, expected", [
     (30, 0.3, 30), (30, 1000.0, 5), (30, 300.0, 10), (3, 1e4, 3), (30, 0.0, 30)])
 def test_case_repeats_fit_the_budget(repeats, estimate_ms, expected):
-    assert bench_cuda.case_repeats(repeats, estimate_ms) == expected
+    assert bench_run.case_repeats(repeats, estimate_ms) == expected
 
 
 # --- planning ---------------------------------------------------------------
 
-def full_config(**counts) -> bench_cuda.BenchConfig:
-    return bench_cuda.make_config("all", None, KV_DTYPES, False, **counts)
+def full_config(**counts) -> bench_run.BenchConfig:
+    return bench_run.make_config("all", None, KV_DTYPES, False, **counts)
 
 
 def test_full_run_has_the_issues_shapes_and_a_sweep_without_duplicates():
@@ -235,7 +241,7 @@ def test_full_run_has_the_issues_shapes_and_a_sweep_without_duplicates():
 
 
 def test_a_decode_group_times_every_peer():
-    cases = bench_cuda.group_cases(Group("decode", DECODE_MAIN, KV_DTYPES))
+    cases = bench_shapes.group_cases(Group("decode", DECODE_MAIN, KV_DTYPES))
     by_impl = {impl: [c for c in cases if c.impl == impl] for impl in ("kvcupy", "sdpa", "copy", "stream")}
     assert [c.kv_dtype for c in by_impl["kvcupy"]] == list(KV_DTYPES)
     assert [c.sdpa_backend for c in by_impl["sdpa"]] == ["default"]
@@ -246,7 +252,7 @@ def test_a_decode_group_times_every_peer():
 
 
 def test_prefill_times_each_sdpa_backend():
-    cases = bench_cuda.group_cases(Group("prefill", Shape("prefill", 1, 2048, 32, 8, 128), KV_DTYPES))
+    cases = bench_shapes.group_cases(Group("prefill", Shape("prefill", 1, 2048, 32, 8, 128), KV_DTYPES))
     assert [c.sdpa_backend for c in cases if c.impl == "sdpa"] == ["default", "flash", "cudnn"]
 
 
@@ -259,26 +265,26 @@ def test_prefill_times_each_sdpa_backend():
     ("all", "prefill_sweep", {"prefill"}),
 ])
 def test_phase_and_groups_choose_the_groups(phase, groups, kinds):
-    config = bench_cuda.make_config(phase, groups, KV_DTYPES, True)
+    config = bench_run.make_config(phase, groups, KV_DTYPES, True)
     assert {g.kind for g in config.groups} == kinds, (phase, groups)
 
 
 def test_unknown_group_names_the_choices():
     with pytest.raises(ValueError, match="'decode,bogus' is not a comma-separated list of decode, sweep, "
                                          "prefill, prefill_sweep, write, rotate"):
-        bench_cuda.parse_groups("decode,bogus")
+        bench_run.parse_groups("decode,bogus")
 
 
 def test_counts_not_given_take_the_cuda_defaults():
-    assert full_config().repeats == bench_cuda.DEFAULT_REPEATS
+    assert full_config().repeats == bench_run.DEFAULT_REPEATS
     config = full_config(repeats=7, prefill_repeats=2, rounds=1, warmup=0)
     assert config.repeats == {"decode": 7, "prefill": 2, "write": 7, "rotate": 7}
     assert (config.rounds, config.warmup) == (1, 0)
 
 
 def test_sweep_times_int4_or_the_one_dtype_asked_for():
-    assert bench_cuda.sweep_kv_dtypes(KV_DTYPES) == ("int4_per_token_head",)
-    assert bench_cuda.sweep_kv_dtypes(("fp8_per_token_head",)) == ("fp8_per_token_head",)
+    assert bench_shapes.sweep_kv_dtypes(KV_DTYPES) == ("int4_per_token_head",)
+    assert bench_shapes.sweep_kv_dtypes(("fp8_per_token_head",)) == ("fp8_per_token_head",)
 
 
 # --- a whole run on a fake device --------------------------------------------
@@ -310,7 +316,7 @@ class FakeRunner:
 
     def build(self, group, case, sets):
         if case.impl == "sdpa" and case.sdpa_backend == "cudnn":
-            raise bench_cuda.PeerSkipped("torch 0 cannot select the cudnn SDPA backend")
+            raise bench_run.PeerSkipped("torch 0 cannot select the cudnn SDPA backend")
         if group.kind == "prefill" and case.kv_dtype == "fp8_per_token_head":
             raise RuntimeError("an illegal memory access was encountered\nsecond line")
         self.built.append((group, case, sets))
@@ -321,7 +327,7 @@ class FakeRunner:
         return calls[0](), 0.05
 
     def time(self, calls, count, host_ms):
-        return bench_cuda.Timing([calls[0]()] * count, idle_ms=0.0)
+        return bench_run.Timing([calls[0]()] * count, idle_ms=0.0)
 
     def end_group(self):
         self.groups_ended += 1
@@ -331,8 +337,8 @@ class FakeRunner:
 def fake_report() -> dict:
     config = full_config(repeats=4, prefill_repeats=2, rounds=2)
     steps = []
-    report = bench_cuda.run_bench(config, FakeRunner(), steps.append, lambda text: None)
-    assert len(steps) == bench_cuda.total_steps(config)
+    report = bench_run.run_bench(config, FakeRunner(), steps.append, lambda text: None)
+    assert len(steps) == bench_run.total_steps(config)
     return report
 
 
@@ -399,7 +405,7 @@ def test_skipped_and_failed_peers_are_reported_not_raised(fake_report):
 
 def test_targets_are_judged_from_the_same_records(fake_report):
     targets = {t["target"]: t for t in fake_report["targets"]}
-    assert len(targets) == len(bench_cuda.TARGETS)
+    assert len(targets) == len(TARGETS)
     tb = targets["decode int4, 32 x 32768, d = 128: >= 3.4 TB/s"]
     assert tb["measured"] == pytest.approx(3.5) and tb["met"] is True
     speedup = targets["decode int4, 32 x 32768, d = 128: >= 2.7x dense bf16 SDPA"]
@@ -414,8 +420,8 @@ def test_targets_are_judged_from_the_same_records(fake_report):
 
 def test_runner_frees_every_group_and_builds_each_case_once():
     fake = FakeRunner()
-    config = bench_cuda.make_config("all", None, KV_DTYPES, True, repeats=2, prefill_repeats=1, rounds=2)
-    bench_cuda.run_bench(config, fake, lambda text: None, lambda text: None)
+    config = bench_run.make_config("all", None, KV_DTYPES, True, repeats=2, prefill_repeats=1, rounds=2)
+    bench_run.run_bench(config, fake, lambda text: None, lambda text: None)
     assert fake.groups_ended == len(config.groups)
     built = [(g.label, c) for g, c, _ in fake.built]
     assert len(built) == len(set(built))
@@ -423,7 +429,7 @@ def test_runner_frees_every_group_and_builds_each_case_once():
 
 def rendered(report: dict) -> str:
     console = Console(file=io.StringIO(), width=200)
-    console.print(bench_cuda.tables(report))
+    console.print(tables(report))
     return console.file.getvalue()
 
 
@@ -554,7 +560,7 @@ def test_cli_dispatches_cuda_to_bench_cuda(fake_cuda):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert [g["kind"] for g in report["groups"]] == ["write", "rotate", "rotate"]
-    assert report["timing"]["repeats"] == bench_cuda.DEFAULT_REPEATS   # the CPU's defaults are not passed on
+    assert report["timing"]["repeats"] == bench_run.DEFAULT_REPEATS   # the CPU's defaults are not passed on
     assert len(fake_cuda) == 1
 
 
@@ -565,7 +571,7 @@ def test_cli_passes_counts_the_user_gave(fake_cuda):
     report = json.loads(result.stdout)
     assert {g["kind"] for g in report["groups"]} == {"decode"}
     assert report["timing"]["repeats"]["decode"] == 3 and report["timing"]["rounds"] == 1
-    assert report["timing"]["repeats"]["prefill"] == bench_cuda.DEFAULT_REPEATS["prefill"]
+    assert report["timing"]["repeats"]["prefill"] == bench_run.DEFAULT_REPEATS["prefill"]
 
 
 def test_cli_tables_without_json(fake_cuda):
@@ -635,11 +641,11 @@ def _nvrtc_missing() -> str | None:
 def test_bench_kernels_compile_without_spills(arch, tmp_path, monkeypatch):
     from kvcupy import jit
     monkeypatch.setenv(jit.CACHE_DIR_ENV, str(tmp_path))
-    specs = bench_cuda.kernel_specialisations(all=arch == "sm_90")
+    specs = bench_kernels.kernel_specialisations(all=arch == "sm_90")
     entries = {entry for entry, _, _ in specs}
     assert entries == {"stream_pages", "hold_stream"}
     for entry, functions, defines in specs:
-        result = jit.compile_entry(entry, defines, arch)
+        result = bench_kernels.compile_entry(entry, defines, arch)
         for function in functions:
             assert result.spills.get(function, 0) == 0, (entry, defines, result.spills)
 
@@ -649,9 +655,9 @@ def test_stream_pages_compiles_for_odd_rows(tmp_path, monkeypatch):
     """Rows that 16-byte loads do not tile (int4 at d = 34: 17 bytes a head) take narrower words."""
     from kvcupy import jit
     monkeypatch.setenv(jit.CACHE_DIR_ENV, str(tmp_path))
-    defines = bench_cuda.stream_defines(1, 34, "int4_per_token_head", BF16)
+    defines = bench_kernels.stream_defines(1, 34, "int4_per_token_head", BF16)
     assert defines["KVC_ROW_BYTES"] == 17
-    jit.compile_entry("stream_pages", {**defines, "KVC_BLOCK_SIZE": 8}, "sm_90")
+    bench_kernels.compile_entry("stream_pages", {**defines, "KVC_BLOCK_SIZE": 8}, "sm_90")
 
 
 # --- on a GPU -----------------------------------------------------------------------
@@ -697,7 +703,6 @@ def stream_reference(key, value, k_scale, v_scale, block_table, seq_lens, num_sp
 @pytest.mark.parametrize("num_kv_heads, stored_head_size, num_splits", [(8, 64, 4), (2, 48, 3), (1, 16, 1)])
 def test_stream_pages_reads_exactly_the_pages_of_each_sequence(num_kv_heads, stored_head_size, num_splits):
     import cupy
-    from kvcupy import jit
     block_size, num_blocks = 16, 40
     rng = np.random.default_rng(7)
     key, value = (rng.integers(0, 256, (num_blocks, block_size, num_kv_heads, stored_head_size), np.uint8)
@@ -712,7 +717,7 @@ def test_stream_pages_reads_exactly_the_pages_of_each_sequence(num_kv_heads, sto
     block_table[3, 6] = -1
     defines = {"KVC_THREADS": 256, "KVC_BLOCK_SIZE": block_size,
                "KVC_ROW_BYTES": num_kv_heads * stored_head_size, "KVC_SCALE_ROW_BYTES": 4 * num_kv_heads}
-    kernel = jit.get_function("stream_pages", "stream_pages", defines)
+    kernel = bench_kernels.get_function("stream_pages", "stream_pages", defines)
     out = cupy.zeros((len(seq_lens), num_splits), cupy.uint32)
     kernel((num_splits, len(seq_lens)), (256,), (
         cupy.asarray(key), cupy.asarray(value), cupy.asarray(k_scale), cupy.asarray(v_scale),
@@ -726,8 +731,7 @@ def test_stream_pages_reads_exactly_the_pages_of_each_sequence(num_kv_heads, sto
 @pytest.mark.skipif(_gpu_missing() is not None, reason=str(_gpu_missing()))
 def test_hold_stream_holds_the_stream():
     import cupy
-    from kvcupy import jit
-    hold = jit.get_function("hold_stream", "hold_stream", {})
+    hold = bench_kernels.get_function("hold_stream", "hold_stream", {})
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     start.record()
     hold((1,), (1,), (np.uint64(2_000_000),))

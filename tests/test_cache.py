@@ -251,7 +251,11 @@ BAD_CALLS = [
      "slot_mapping"),
     ("too many queries", lambda m: m.attention(0, _query(), [1], query_lens=[3]), ValueError,
      "query_lens"),
-    ("query count mismatch", lambda m: m.attention(0, _query(), [0, 1]), ValueError, "cu_seqlens_q"),
+    # The caller gave no cu_seqlens_q: the message names what they did give.
+    ("query count mismatch", lambda m: m.attention(0, _query(), [0, 1]), ValueError,
+     r"query has 1 token; query_lens=None \(one each, decode\) asks 2 for the 2 sequence\(s\) of seq_ids"),
+    ("query count mismatch, lens given", lambda m: m.attention(0, _query(), [0, 1], query_lens=[1, 2]),
+     ValueError, r"query has 1 token; query_lens=\[1, 2\] asks 3"),
 ]
 
 
@@ -265,6 +269,101 @@ def test_bad_calls_raise_and_change_nothing(call, error, match):
     with pytest.raises(error, match=match):
         call(mgr)
     assert state(mgr) == before
+
+
+def test_bad_calls_never_name_an_argument_the_caller_did_not_pass():
+    mgr = manager()
+    a, b = mgr.add_sequence(), mgr.add_sequence()
+    write_all_layers(mgr, np.random.default_rng(2), mgr.reserve([a, b], 1))
+    with pytest.raises(ValueError) as raised:
+        mgr.attention(0, _query(), [a, b])
+    for internal in ("cu_seqlens_q", "block_table", "seq_lens", "batch"):
+        assert internal not in str(raised.value), raised.value
+
+
+# --- attention before write -------------------------------------------------
+
+def test_attention_before_write_raises_and_changes_nothing():
+    """reserve() advances the lengths at once; attending over a layer before its
+    write would read whatever the reserved slots held."""
+    mgr = manager()
+    rng = np.random.default_rng(5)
+    a, b = mgr.add_sequence(), mgr.add_sequence()
+    write_all_layers(mgr, rng, mgr.reserve([a, b], 3))
+    slot_mapping = mgr.reserve([a], 1)
+    query = rng.standard_normal((1, NUM_HEADS, 32)).astype(np.float32)
+    before = state(mgr)
+    for layer in range(NUM_LAYERS):
+        message = (rf"layer {layer} does not hold the 1 token reserve\(\) gave sequence 0 yet: "
+                   rf"call write\({layer}, key, value, slot_mapping\)")
+        with pytest.raises(RuntimeError, match=message):
+            mgr.attention(layer, query, [a])
+    assert state(mgr) == before
+    mgr.attention(0, query, [b])   # b reserved nothing since its write
+    key, value = random_tokens(rng, 1, 32)
+    mgr.write(0, key, value, slot_mapping)
+    mgr.attention(0, query, [a])
+    with pytest.raises(RuntimeError, match="layer 1 does not hold"):
+        mgr.attention(1, query, [a])
+    mgr.write(1, key, value, slot_mapping)
+    mgr.attention(1, query, [a])
+
+
+def test_a_fork_waits_for_its_parents_write_and_a_freed_sequence_is_forgotten():
+    mgr = manager()
+    rng = np.random.default_rng(6)
+    a = mgr.add_sequence()
+    write_all_layers(mgr, rng, mgr.reserve([a], 3))
+    slot_mapping = mgr.reserve([a], 2)
+    b = mgr.fork(a)
+    query = rng.standard_normal((1, NUM_HEADS, 32)).astype(np.float32)
+    with pytest.raises(RuntimeError, match="sequence 1 yet"):
+        mgr.attention(0, query, [b])
+    mgr.free(a)
+    with pytest.raises(RuntimeError, match="sequence 1 yet"):
+        mgr.attention(0, query, [b])
+    write_all_layers(mgr, rng, slot_mapping)
+    mgr.attention(0, query, [b])
+    mgr.free(b)
+    assert mgr._unwritten == []
+
+
+def test_a_write_with_a_copy_of_the_slot_mapping_counts():
+    """A serving engine may hand write() its own copy (a device array, say): it
+    cannot be traced to one reserve() call, so it never causes a refusal."""
+    mgr = manager()
+    rng = np.random.default_rng(7)
+    a = mgr.add_sequence()
+    slot_mapping = mgr.reserve([a], 4)
+    write_all_layers(mgr, rng, slot_mapping.copy())
+    mgr.attention(0, rng.standard_normal((1, NUM_HEADS, 32)).astype(np.float32), [a])
+
+
+# --- repr and the docstring's loop ------------------------------------------
+
+def test_repr_is_one_line_of_geometry_format_and_occupancy():
+    mgr = manager(head_size=96)
+    a = mgr.add_sequence()
+    mgr.add_sequence("chat")
+    write_all_layers(mgr, np.random.default_rng(8), mgr.reserve([a], 6))
+    assert repr(mgr) == (
+        "PagedKVCache(num_layers=2, kv_dtype='int4_per_token_head', head_size=96, num_kv_heads=2, "
+        "block_size=4, pages=2/8 used, sequences=2, tokens=6, device=cpu, "
+        "rotation='96 = 32 x 3 (block-diagonal H_32), preset kvcupy')")
+    assert str(mgr) == repr(mgr)
+
+
+def test_the_docstring_example_runs_as_a_doctest():
+    """PagedKVCache's docstring: a serving loop from add_sequence to free, its output and repr."""
+    import doctest
+    from kvcupy import cache as cache_module
+
+    finder = doctest.DocTestFinder()
+    [test] = [t for t in finder.find(cache_module) if t.name.endswith(".PagedKVCache")]
+    assert any("add_sequence" in example.source for example in test.examples)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = runner.run(test)
+    assert result.attempted >= 8 and result.failed == 0, result
 
 
 @pytest.mark.parametrize("num_layers, error", [(0, ValueError), (1.0, TypeError), (True, TypeError)])

@@ -133,7 +133,7 @@ def test_head_size_without_kron_rotation_blames_both_given_options():
 
 
 @pytest.mark.parametrize(("command", "option", "value", "choices"), [
-    ("repro", "--kv-dtype", "int3", "'all', 'int4_per_token_head', 'int8_per_token_head', "
+    ("repro", "--kv-dtype", "int3", "'all', 'quantized', 'int4_per_token_head', 'int8_per_token_head', "
                                     "'fp8_per_token_head', 'auto'"),
     ("repro", "--rotation", "hadamard", "'blockdiag', 'kron', 'none'"),
     ("bench", "--backend", "tpu", "'auto', 'cpu', 'cuda', 'rocm'"),
@@ -225,31 +225,23 @@ def test_bench_quick_json_reports_ratios():
     assert report["rounds"] == 3
 
 
-def test_bench_says_when_it_compiles_one_line_per_case():
-    """Off a terminal (CliRunner, a log, CI) the first call of each case, where the
-    kernels compile, is announced on stderr; stdout still holds the report alone."""
-    result = runner.invoke(app, ["bench", "--quick", "--kv-dtype", "int8_per_token_head", "--repeats", "1",
-                                 "--prefill-repeats", "1", "--rounds", "1", "--warmup", "0", "--json"])
-    assert result.exit_code == 0, result.output
-    status_lines = [line for line in result.stderr.splitlines() if "compiling" in line]
-    assert status_lines == [f"{phase}: int8_per_token_head: compiling kernels (first run only)"
-                            for phase in ("decode", "prefill")], result.stderr
-    assert json.loads(result.stdout)["cases"]
-
-
-def test_progress_display_shows_the_status_on_a_terminal():
+def test_progress_display_shows_the_status_and_notes_on_a_terminal():
     terminal = Console(file=io.StringIO(), force_terminal=True, width=120)
     with render.progress_display(3, terminal) as display:
-        display.status("decode: int4_per_token_head: compiling kernels (first run only)")
-    assert "compiling kernels (first run only)" in terminal.file.getvalue()
+        display.note("Compiling kvcupy's CPU kernels: once")
+        display.status("compiling paged_attention (first run only)")
+    assert "compiling paged_attention (first run only)" in terminal.file.getvalue()
+    assert "Compiling kvcupy's CPU kernels: once\n" in terminal.file.getvalue()
 
 
-def test_progress_display_off_a_terminal_prints_status_lines_only():
+def test_progress_display_off_a_terminal_prints_status_and_note_lines_only():
     log = Console(file=io.StringIO(), force_terminal=False, width=40)
     with render.progress_display(3, log) as display:
         display.advance("decode: numpy float32 dense")
-        display.status("decode: int4_per_token_head: compiling kernels (first run only)")
-    assert log.file.getvalue() == "decode: int4_per_token_head: compiling kernels (first run only)\n"
+        display.note("Compiling kvcupy's CPU kernels (Numba): a first run does this once")
+        display.status("compiling paged_attention (first run only)")
+    assert log.file.getvalue() == ("Compiling kvcupy's CPU kernels (Numba): a first run does this once\n"
+                                   "compiling paged_attention (first run only)\n")
 
 
 @pytest.mark.parametrize(("repeats", "rounds", "expected"), [

@@ -375,3 +375,25 @@ def test_all_threads_share_the_work_items(kv_dtype, monkeypatch):
     out, expected = run_attention_case(kv_dtype, 80, 16, FEATURES["all"], kc.rotation_plan(80),
                                        num_heads=12, num_kv_heads=3, seed=8)
     assert worst_row_error(out, expected) <= ATTENTION_RTOL
+
+
+# --- compiles, as the command line reports them ------------------------------
+
+def test_reporting_compiles_names_the_outermost_kvcupy_kernel_only():
+    """A compile of a cpu_kernels function is reported once, by its name (not the helpers
+    compiled inside it); compiled kernels and other code's Numba functions report nothing."""
+    seen = []
+    fresh = numba.njit(cpu_kernels._max.py_func)   # a copy with no disk cache: it must compile
+
+    def foreign(x):
+        return x + 1
+
+    cpu_kernels._max(np.ones(4, np.float32))       # compiled (or loaded from the cache) here
+    with cpu.reporting_compiles(seen.append):
+        cpu_kernels._max(np.ones(4, np.float32))
+        numba.njit(foreign)(1)
+        fresh(np.ones(4, np.float32))
+        fresh(np.ones(4, np.float32))              # compiled by the call before
+    assert seen == ["_max"]
+    fresh(np.ones(4, np.float64))                  # outside the block: not reported
+    assert seen == ["_max"]

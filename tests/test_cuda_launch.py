@@ -1,4 +1,4 @@
-"""cuda_launch's driver structures and argument conversion, without a GPU: the
+"""kvcupy.backends.cuda.launch's driver structures and argument conversion, without a GPU: the
 ctypes layouts must match cuda.h's (CUDA 12 and 13), or the driver reads garbage."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from kvcupy.backends import cuda_launch
+from kvcupy.backends.cuda import launch as cuda_launch
 
 
 def test_structures_match_cuda_h():
@@ -99,21 +99,21 @@ def attention_source() -> str:
 
 
 def test_the_merge_signature_matches_the_kernel_source():
-    from kvcupy.backends import cuda_attention
+    from kvcupy.backends.cuda import kernels
     source = attention_source()
     header = source[source.index('extern "C" __global__ void merge_splits('):]
     parameters = header[header.index("(") + 1:header.index(")")]
-    assert parameter_codes(parameters) == cuda_attention.MERGE_SIGNATURE
+    assert parameter_codes(parameters) == kernels.MERGE_SIGNATURE
 
 
 def test_the_attention_signature_matches_the_kernel_source():
     # Both attention entries take KVC_ATTENTION_ARGS; the macro runs to the blank line.
-    from kvcupy.backends import cuda_attention
+    from kvcupy.backends.cuda import kernels
     source = attention_source()
     macro = source[source.index("#define KVC_ATTENTION_ARGS"):]
     parameters = macro[macro.index("\n") + 1:macro.index("\n\n")]
-    assert parameter_codes(parameters) == cuda_attention.ATTENTION_SIGNATURE
-    assert len(cuda_attention.ATTENTION_SIGNATURE) == 54
+    assert parameter_codes(parameters) == kernels.ATTENTION_SIGNATURE
+    assert len(kernels.ATTENTION_SIGNATURE) == 54
     for entry in ("paged_attention", "prefill_attention"):
         assert f"{entry}(KVC_ATTENTION_ARGS)" in source
 

@@ -1,4 +1,4 @@
-"""How a decode step is launched (cuda_attention.paged_attention), on the host: no GPU,
+"""How a decode step is launched (kvcupy.backends.cuda.attention.paged_attention), on the host: no GPU,
 so it runs in CI. The attention kernel reads and rotates the caller's query, and
 the merge rotates the output back, wherever the rotation is none or blockdiag;
 a kron plan keeps the rotate launches before and after."""
@@ -9,7 +9,7 @@ import pytest
 
 import kvcupy as kc
 from kvcupy import jit
-from kvcupy.backends import cuda_attention as ca
+from kvcupy.backends.cuda import attention, kernels
 
 
 def header_constant(name: str) -> int:
@@ -18,8 +18,8 @@ def header_constant(name: str) -> int:
 
 
 def test_merge_constants_match_the_kernel():
-    assert header_constant("kMergeWarps") == ca.MERGE_WARPS
-    assert header_constant("kMergeMaxSplits") == ca.MAX_SPLITS
+    assert header_constant("kMergeWarps") == kernels.MERGE_WARPS
+    assert header_constant("kMergeMaxSplits") == kernels.MAX_SPLITS
 
 
 @pytest.mark.parametrize("splits,warps", [(1, 1), (2, 2), (3, 2), (4, 4), (7, 4), (8, 8), (9, 8), (32, 8),
@@ -27,31 +27,31 @@ def test_merge_constants_match_the_kernel():
 def test_merge_split_warps(splits, warps):
     """A power of two, at most the split count (every warp of a row has a split:
     merge_splits reads split `phase` unconditionally) and at most a block's warps."""
-    assert ca.merge_split_warps(splits) == warps
+    assert attention.merge_split_warps(splits) == warps
 
 
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 192, 256])
 @pytest.mark.parametrize("preset", ["kvcupy", "vllm"])
 def test_blockdiag_and_no_rotation_stay_in_the_kernels(head_size, preset):
-    assert ca._in_kernel_rotation(kc.rotation_plan(head_size, "blockdiag", preset))
-    assert ca._in_kernel_rotation(kc.rotation_plan(head_size, "none"))
-    assert ca._in_kernel_rotation(None)
+    assert attention._in_kernel_rotation(kc.rotation_plan(head_size, "blockdiag", preset))
+    assert attention._in_kernel_rotation(kc.rotation_plan(head_size, "none"))
+    assert attention._in_kernel_rotation(None)
 
 
 @pytest.mark.parametrize("head_size", [96, 160, 224])
 def test_kron_keeps_the_rotate_launches(head_size):
-    assert not ca._in_kernel_rotation(kc.rotation_plan(head_size, "kron"))
+    assert not attention._in_kernel_rotation(kc.rotation_plan(head_size, "kron"))
 
 
 @pytest.mark.parametrize("head_size", range(32, 257, 2))
 def test_sign_shift_is_the_blockdiag_block(head_size):
     """b = 2^sign_shift divides the head size and leaves an odd count of blocks
     (b the largest such power of two); b <= 256: the kernels' 8 butterfly stages."""
-    shift = ca.sign_shift(kc.rotation_plan(head_size, "blockdiag"))
+    shift = attention.sign_shift(kc.rotation_plan(head_size, "blockdiag"))
     assert 0 < shift <= 8 and head_size % (1 << shift) == 0 and (head_size >> shift) % 2 == 1
-    assert ca.sign_shift(kc.rotation_plan(head_size, "none")) == ca.sign_shift(None) == -1
+    assert attention.sign_shift(kc.rotation_plan(head_size, "none")) == attention.sign_shift(None) == -1
 
 
 def test_sign_shift_refuses_kron():
     with pytest.raises(ValueError, match="blockdiag only"):
-        ca.sign_shift(kc.rotation_plan(96, "kron"))
+        attention.sign_shift(kc.rotation_plan(96, "kron"))

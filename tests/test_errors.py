@@ -154,3 +154,33 @@ def test_rotate_checks_its_input():
         kc.rotate(np.zeros((2, 32), np.float32), plan)
     with pytest.raises(TypeError, match="plan must be a RotationPlan"):
         kc.rotate(np.zeros((2, 64), np.float32), "blockdiag")
+
+
+# Errors name the arguments as the caller gave them: one the caller left out is
+# not quoted back at them with the value kvcupy filled in.
+def test_decode_default_is_named_when_query_tokens_do_not_match(setup):
+    cache, _, attend = setup
+    before = snapshot(cache)
+    one_token = attend["query"][:1]
+    with pytest.raises(ValueError) as raised:
+        kc.paged_attention(one_token, cache, block_table=attend["block_table"], seq_lens=attend["seq_lens"])
+    assert str(raised.value) == ("1 query token for 2 sequences (seq_lens): without cu_seqlens_q each "
+                                 "sequence takes exactly one (decode); pass cu_seqlens_q to give a "
+                                 "sequence several")
+    assert snapshot(cache) == before
+
+
+def test_a_batch_planned_without_query_offsets_says_so(setup):
+    cache, _, attend = setup
+    batch = kc.plan_batch(block_table=attend["block_table"], seq_lens=attend["seq_lens"],
+                          block_size=BLOCK_SIZE, num_blocks=cache.key_cache.shape[0])
+    with pytest.raises(ValueError, match=r"^query has 6 tokens; batch was planned for 2 \(its cu_seqlens_q, "
+                                         r"or one per sequence when planned without one\)$"):
+        kc.paged_attention(attend["query"], cache, batch=batch)
+
+
+def test_given_query_offsets_are_quoted_back(setup):
+    cache, _, attend = setup
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q=\[0, 1, 5\] must rise from 0 to the number of "
+                                         r"query tokens \(6\)$"):
+        kc.paged_attention(**{**attend, "cu_seqlens_q": np.array([0, 1, 5], np.int32)})

@@ -68,8 +68,9 @@ import cupy  # noqa: E402  (only where the backend is usable)
 
 from .device_arrays import DeviceBf16, device_query, device_view, from_device  # noqa: E402
 
-from kvcupy.backends import cuda_attention  # noqa: E402
-from kvcupy.backends.cuda_attention import DEFAULT_TUNING, PrefillKernel  # noqa: E402
+from kvcupy.backends.cuda import kernels, planner  # noqa: E402
+from kvcupy.backends.cuda.kernels import PrefillKernel  # noqa: E402
+from kvcupy.backends.cuda.tuning import DEFAULT_TUNING  # noqa: E402
 
 ATTENTION_BOUND = 2e-3
 NEVER = 1 << 30   # a key count no test reaches: tunings that switch a build off
@@ -134,15 +135,15 @@ def run_case(*, kv_dtype="int4_per_token_head", head_size=128, block_size=16, nu
 
 
 def recorded_prefill_builds(monkeypatch) -> list:
-    """The prefill builds the planner takes from now on (cuda_attention._prefill_kernel), in order."""
+    """The prefill builds the planner takes from now on (planner._prefill_kernel), in order."""
     chosen = []
-    plan_build = cuda_attention._prefill_kernel
+    plan_build = planner._prefill_kernel
 
     def recorded_build(*args):
         chosen.append(plan_build(*args))
         return chosen[-1]
 
-    monkeypatch.setattr(cuda_attention, "_prefill_kernel", recorded_build)
+    monkeypatch.setattr(planner, "_prefill_kernel", recorded_build)
     return chosen
 
 
@@ -338,13 +339,13 @@ def test_prefill_direct_rows(model_dtype, query_dtype, rotation, direct, head_si
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the producer build is a wgmma build: sm_90 GPUs")
     taken = []   # the builds the calls take
-    for_query = cuda_attention.PrefillKernel.for_query
+    for_query = kernels.PrefillKernel.for_query
 
     def recorded(kernel, *args):
         taken.append(for_query(kernel, *args))
         return taken[-1]
 
-    monkeypatch.setattr(cuda_attention.PrefillKernel, "for_query", recorded)
+    monkeypatch.setattr(kernels.PrefillKernel, "for_query", recorded)
     bf16 = kc.formats.MODEL_DTYPES["bfloat16"]
     model_dtype = bf16 if model_dtype == "bfloat16" else np.dtype(model_dtype)
     query_dtype = bf16 if query_dtype == "bfloat16" else np.dtype(query_dtype)
@@ -527,13 +528,13 @@ def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_s
                                     replace(DEFAULT_TUNING, row_staging=row_staging))
     if fits is not None:
         capable = int(cupy.cuda.Device().compute_capability) >= 90
-        rows = row_staging and plan.kernel.stages >= cuda_attention.ROW_STAGING_MIN_STAGES
-        staged = cuda_attention.STAGE_ROWS if rows else cuda_attention.STAGE_BULK
+        rows = row_staging and plan.kernel.stages >= kernels.ROW_STAGING_MIN_STAGES
+        staged = kernels.STAGE_ROWS if rows else kernels.STAGE_BULK
         if kv_dtype == "auto":
             rows = fits and capable and row_staging and plan.kernel.heads % 4 == 0
-            expected_staging = cuda_attention.STAGE_ROWS if rows else cuda_attention.STAGE_THREADS
+            expected_staging = kernels.STAGE_ROWS if rows else kernels.STAGE_THREADS
         else:
-            expected_staging = staged if fits and capable else cuda_attention.STAGE_THREADS
+            expected_staging = staged if fits and capable else kernels.STAGE_THREADS
         assert plan.kernel.staging == expected_staging, plan.kernel
     out = from_device(kc.paged_attention(cupy.asarray(query), view, batch=planned), np.float32)
     check(f"{kv_dtype} d={head_size} Hk={num_kv_heads} B={block_size}", out, expected, np.float32)
@@ -549,7 +550,7 @@ def test_bulk_staging(kv_dtype, head_size, fits, num_kv_heads, block_size, row_s
 ], ids=["short", "block8", "block128-none", "32768", "window-softcap-sinks", "early-last-stage"])
 @pytest.mark.parametrize("head_size,stages", [(128, 3), (96, 3), (96, 2)])
 def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size, rotation, options):
-    """int4 decode on 64-token tiles (cuda_attention._long_tile), forced here for
+    """int4 decode on 64-token tiles (planner._long_tile), forced here for
     splits of any length (the planner takes them for splits of 1024 keys and more),
     at d = 128 and 96 (three 128-byte lines a token's row), and at d = 96 the two-block
     build of two stages (row copies issued before a tile; the planner's from 2048
@@ -575,7 +576,7 @@ def test_int4_decode_with_64_token_tiles(head_size, stages, seq_lens, block_size
                             num_query_tokens=batch.num_queries, tuning=tuning)
     out = from_device(kc.paged_attention(cupy.asarray(query), view, batch=planned, **options), np.float32)
     (plan,) = planned._backend_plans.values()
-    assert (plan.kernel.tile, plan.kernel.stages) == (cuda_attention.DECODE_LONG_TILE, stages), plan.kernel
+    assert (plan.kernel.tile, plan.kernel.stages) == (kernels.DECODE_LONG_TILE, stages), plan.kernel
     assert plan.num_splits == 1 or not one_split, plan.num_splits
     check(f"long tiles {seq_lens} B={block_size} {rotation} {options}", out, expected, np.float32)
 
@@ -598,7 +599,7 @@ def _two_query_case(seed: int, seq_lens, query_lens, tuning=DEFAULT_TUNING) -> t
 @pytest.mark.parametrize("seq_lens,query_lens", [((32768, 8192, 300, 5000), (1, 1, 1, 1)),
                                                    ((8192, 6000), (256, 128))], ids=["decode", "chunked"])
 def test_dependent_merge_waits_for_the_splits(seq_lens, query_lens):
-    """The merge launched as a programmatic dependent (sm_90: cuda_launch; its
+    """The merge launched as a programmatic dependent (sm_90: launch.py; its
     blocks may start while the attention grid runs) reads the splits' finished
     states: calls alternating between two queries on one plan (one workspace,
     so a merge that read too early would find the other query's states) equal

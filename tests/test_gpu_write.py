@@ -39,7 +39,8 @@ if not _status.usable:
 
 import cupy  # noqa: E402  (only where the backend is usable)
 
-from kvcupy.backends import cpu_kernels, cuda  # noqa: E402
+from kvcupy.backends import cpu_kernels  # noqa: E402
+from kvcupy.backends.cuda import write  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP16, FP32 = np.dtype(np.float16), np.dtype(np.float32)
@@ -225,15 +226,15 @@ def _specialisations() -> set:
     """Every (entry, defines) this module launches."""
     wanted = {("copy_blocks", ())}
     for case in WRITE_CASES:
-        wanted.add(("write", cuda.write_defines(case.head_size, case.kv_dtype, case.cache_dtype,
+        wanted.add(("write", write.write_defines(case.head_size, case.kv_dtype, case.cache_dtype,
                                                 case.input_dtype, case.plan)))
     for case in ROTATE_CASES:
-        wanted.add(("rotate", cuda.rotate_defines(case.head_size, make_plan(case.head_size, case.rotation),
+        wanted.add(("rotate", write.rotate_defines(case.head_size, make_plan(case.head_size, case.rotation),
                                                   case.dtype, case.dtype, False)))
     for head_size in ORDER_HEAD_SIZES:
         for rotation in ("blockdiag", "kron", "none"):
             for dtype in INPUT_DTYPES:
-                wanted.add(("rotate", cuda.rotate_defines(head_size, make_plan(head_size, rotation), dtype,
+                wanted.add(("rotate", write.rotate_defines(head_size, make_plan(head_size, rotation), dtype,
                                                           FP32, True)))
     return wanted
 
@@ -394,7 +395,7 @@ def test_rotate_matches_cpu_bits(case, inverse):
 @pytest.mark.parametrize("rotation", ("blockdiag", "kron", "none"))
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=lambda d: d.name)
 def test_rotate_rows_with_orders_and_divisor_matches_cpu_kernel(head_size, rotation, dtype):
-    """cuda.rotate_rows (attention's query and output path) against cpu_kernels.rotate_rows."""
+    """write.rotate_rows (attention's query and output path) against cpu_kernels.rotate_rows."""
     plan = make_plan(head_size, rotation)
     rng = np.random.default_rng(5)
     x = rng.standard_normal((67, head_size)).astype(dtype)
@@ -415,7 +416,7 @@ def test_rotate_rows_with_orders_and_divisor_matches_cpu_kernel(head_size, rotat
                                     identity if orders[1] is None else orders[1].astype(np.int64))
         source = cupy.asarray(x.view(np.uint16) if dtype == BF16 else x)
         out = cupy.empty((x.shape[0], head_size), np.float32)
-        cuda.rotate_rows(source, out, plan, inverse=inverse, divisor=divisor,
+        write.rotate_rows(source, out, plan, inverse=inverse, divisor=divisor,
                          read_order=None if orders[0] is None else cupy.asarray(orders[0]),
                          write_order=None if orders[1] is None else cupy.asarray(orders[1]), x_dtype=dtype)
         got = cupy.asnumpy(out)

@@ -307,7 +307,7 @@ def test_check_command_reports_and_fails_with_the_log(kernels, monkeypatch):
     from typer.testing import CliRunner
 
     from cli.app import app
-    from kvcupy.backends import cuda_specs
+    from kvcupy.backends.cuda import specs as cuda_specs
     monkeypatch.setattr(cuda_specs, "FAMILIES", (cuda_specs.selftest_specialisations,))
     monkeypatch.delenv(jit.SOURCE_DIR_ENV)
     passed = CliRunner().invoke(app, ["check", "--arch", "sm_80,sm_90", "--json"])
@@ -329,7 +329,7 @@ def test_check_builds_arch_specific_kernels_for_their_base_arch_only(monkeypatch
     from typer.testing import CliRunner
 
     from cli.app import app
-    from kvcupy.backends import cuda_specs
+    from kvcupy.backends.cuda import specs as cuda_specs
 
     def wgmma_probe(all: bool):
         return [cuda_specs.Specialisation("wgmma_check", ("wgmma_scores", "wgmma_values"), {}, "sm_90a")]
@@ -351,7 +351,7 @@ def test_check_compiles_the_kernels_and_defines_asked_for(monkeypatch, cache_roo
     from typer.testing import CliRunner
 
     from cli.app import app
-    from kvcupy.backends import cuda_specs
+    from kvcupy.backends.cuda import specs as cuda_specs
 
     def scales(all: bool):
         return [cuda_specs.Specialisation("selftest", ("kvc_selftest_scale",),

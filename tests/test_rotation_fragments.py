@@ -1,4 +1,4 @@
-"""The prefill kernel's rotation operands (cuda_attention.rotation_fragments),
+"""The prefill kernel's rotation operands (fragments.rotation_fragments),
 checked on the host: the fragments are unpacked the way mma.m16n8k16 hands
 them to lane (g, t), and the products prefill.cuh forms with them must be the
 oracle's rotation (query) and inverse rotation (output), in the kernel's
@@ -10,7 +10,7 @@ import pytest
 import kvcupy as kc
 from kvcupy import reference
 from kvcupy.rotation import sylvester
-from kvcupy.backends import cuda_attention as ca
+from kvcupy.backends.cuda import fragments, kernels
 
 
 def unpack_fragments(fragments: np.ndarray, bf16: bool = False) -> np.ndarray:
@@ -38,7 +38,7 @@ def unpack_fragments(fragments: np.ndarray, bf16: bool = False) -> np.ndarray:
 def all_fragments(plan, head_pad: int, kv: int) -> list:
     """rotation_fragments' operands as B matrices: the forward one's fp16 and bf16
     copies, then the inverse."""
-    forward, inverse = ca.rotation_fragments(plan, head_pad, kv)
+    forward, inverse = fragments.rotation_fragments(plan, head_pad, kv)
     assert forward.shape == (2, *inverse.shape)
     return [unpack_fragments(forward[0]), unpack_fragments(forward[1], bf16=True), unpack_fragments(inverse)]
 
@@ -56,21 +56,21 @@ CASES = [(128, "blockdiag"), (64, "blockdiag"), (32, "blockdiag"), (96, "blockdi
          (40, "blockdiag"), (34, "blockdiag"), (80, "kron"), (112, "kron"), (96, "kron"), (64, "none")]
 
 
-@pytest.mark.parametrize("kv", [ca.KV_INT4, ca.KV_INT8, ca.KV_BF16])
+@pytest.mark.parametrize("kv", [kernels.KV_INT4, kernels.KV_INT8, kernels.KV_BF16])
 @pytest.mark.parametrize("head_size,kind", CASES)
 def test_fragments_rotate_like_the_oracle(head_size, kind, kv):
     plan = kc.rotation_plan(head_size, kind)
-    head_pad = -(-head_size // ca.HEAD_CLASS) * ca.HEAD_CLASS
-    channels = ca.logical_channels(head_pad, kv)
+    head_pad = -(-head_size // kernels.HEAD_CLASS) * kernels.HEAD_CLASS
+    channels = fragments.logical_channels(head_pad, kv)
     stored = channels < head_size
     rng = np.random.default_rng(head_size)
     if plan.is_identity:
-        assert ca.rotation_shift(plan) == -1   # the kernel reads and writes channels in place
+        assert fragments.rotation_shift(plan) == -1   # the kernel reads and writes channels in place
         return
     forward, forward_bf16, inverse = all_fragments(plan, head_pad, kv)
     assert set(np.unique(forward)) <= {-1.0, 0.0, 1.0}   # exact in fp16 and bf16
     np.testing.assert_array_equal(forward_bf16, forward)   # the bf16 query's copy: the same matrix
-    stages = ca.rotation_stages(plan)
+    stages = fragments.rotation_stages(plan)
 
     # Query: q (channels, zero-padded) times the forward B, then the butterflies
     # across groups = the rotated query's logical dims, each the channel
@@ -95,8 +95,8 @@ def test_wide_blocks_leave_their_sylvester_factor_to_butterflies(head_size, stag
     """A blockdiag rotation of 2^(4 + stages) dims a block: fragments in 16-dim
     groups (shift 4, the kernel's fast path), the rest as butterflies."""
     plan = kc.rotation_plan(head_size, "blockdiag")
-    assert (ca.rotation_shift(plan), ca.rotation_stages(plan)) == (4, stages)
-    assert ca.rotation_stages(kc.rotation_plan(head_size, "kron")) == 0
+    assert (fragments.rotation_shift(plan), fragments.rotation_stages(plan)) == (4, stages)
+    assert fragments.rotation_stages(kc.rotation_plan(head_size, "kron")) == 0
 
 
 @pytest.mark.parametrize("head_size,kind", CASES)
@@ -104,11 +104,11 @@ def test_skipped_fragments_are_zero(head_size, kind):
     """prefill.cuh skips fragment (ks, nt) unless (16 ks) >> shift == (8 nt) >> shift:
     every skipped fragment must be all zero (a skipped nonzero would drop a term)."""
     plan = kc.rotation_plan(head_size, kind)
-    shift = ca.rotation_shift(plan)
+    shift = fragments.rotation_shift(plan)
     if shift < 0:
         return
-    head_pad = -(-head_size // ca.HEAD_CLASS) * ca.HEAD_CLASS
-    for b in all_fragments(plan, head_pad, ca.KV_INT4):   # values: a zero entry may be -0 (a sign times 0)
+    head_pad = -(-head_size // kernels.HEAD_CLASS) * kernels.HEAD_CLASS
+    for b in all_fragments(plan, head_pad, kernels.KV_INT4):   # values: a zero entry may be -0 (a sign times 0)
         for ks in range(b.shape[0] // 16):
             for nt in range(b.shape[1] // 8):
                 if (16 * ks) >> shift != (8 * nt) >> shift:
@@ -119,4 +119,4 @@ def test_narrow_blocks_keep_every_fragment():
     """Blocks of 2, 4 or 8 dims share fragments: no fragment may be skipped there."""
     for head_size in (34, 36, 40, 72, 120):
         plan = kc.rotation_plan(head_size, "blockdiag")
-        assert plan.block < 16 and ca.rotation_shift(plan) == 30
+        assert plan.block < 16 and fragments.rotation_shift(plan) == 30

@@ -1,4 +1,4 @@
-"""The attention launcher's shared-memory arithmetic (cuda_attention's
+"""The attention launcher's shared-memory arithmetic (kernels.py's
 `shared_bytes`, what it allocates) equals the kernels' own (`kSharedBytes`,
 what they use), for the sample `kvcupy check` compiles: both builds of the
 prefill kernel and the decode kernel's stagings. The constants come from the
@@ -20,10 +20,10 @@ except Exception as error:   # CuPy is there but libnvrtc is not
     pytest.skip(f"NVRTC is not loadable: {error}", allow_module_level=True)
 
 from kvcupy import jit  # noqa: E402
-from kvcupy.backends import cuda_attention  # noqa: E402
-from kvcupy.backends.cuda_attention import Kernel, PrefillKernel  # noqa: E402
+from kvcupy.backends.cuda import specs  # noqa: E402
+from kvcupy.backends.cuda.kernels import Kernel, PrefillKernel  # noqa: E402
 
-KERNELS = [spec for spec in cuda_attention.specialisations(all=False)
+KERNELS = [spec for spec in specs.attention_specialisations(all=False)
            if spec.functions[0] in ("paged_attention", "prefill_attention")]
 
 

@@ -24,7 +24,7 @@ import struct
 from pathlib import Path
 
 from kvcupy import jit
-from kvcupy.backends import cuda_specs
+from kvcupy.backends.cuda import specs as cuda_specs
 
 SECTION_HEADER = struct.Struct("<IIQQQQ")   # ELF64: name, type, flags, address, offset, size
 

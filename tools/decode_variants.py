@@ -6,7 +6,7 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
   "dtypes":  KV dtypes to time (default ["int4_per_token_head"]; "auto": an fp16 cache)
   "src":     a folder of kernel sources to compile instead of kernels_cu/
              (KVCUPY_KERNEL_DIR), e.g. an older version's, for a side-by-side
-  "tuning":  planner tunables, {field: value} of cuda_attention.Tuning (e.g.
+  "tuning":  planner tunables, {field: value} of kvcupy.backends.cuda.tuning.Tuning (e.g.
              {"row_staging": false}, {"dependent_launch": false}, {"max_splits": 8})
   "nvrtc_options": extra NVRTC options for every build (jit.EXTRA_OPTIONS, in place of
              $KVCUPY_NVRTC_OPTIONS's), e.g. ["-Ofc=mid"] or ["-lineinfo"]
@@ -36,7 +36,7 @@ import numpy as np
 
 import kvcupy as kc
 from kvcupy import jit
-from kvcupy.backends import cuda_attention
+from kvcupy.backends.cuda.tuning import DEFAULT_TUNING, Tuning
 from gpu_timing import median_call_ms, save_results   # tools/, beside this script
 
 DEFAULT_SHAPE = dict(batch=32, context=32768, head_size=128, kv_heads=8, query_heads=32, block_size=16,
@@ -63,8 +63,8 @@ def sources_and_options(variant: dict):
             os.environ[jit.SOURCE_DIR_ENV] = saved_source
 
 
-def tuning_of(variant: dict) -> cuda_attention.Tuning:
-    return replace(cuda_attention.DEFAULT_TUNING, **variant.get("tuning", {}))
+def tuning_of(variant: dict) -> Tuning:
+    return replace(DEFAULT_TUNING, **variant.get("tuning", {}))
 
 
 def decode_case(kv_dtype: str, shape: dict, rng) -> dict:

@@ -9,8 +9,8 @@ import time
 import cupy
 import numpy as np
 
-from cli.bench_cuda import hold_seconds
-from kvcupy import jit
+from kvcupy.bench import kernels as bench_kernels
+from kvcupy.bench.runner import hold_seconds
 
 # Each round is queued behind hold_stream, as `kvcupy bench` does (the same
 # hold_seconds): the events then time the GPU's work back to back, not how fast
@@ -27,7 +27,7 @@ def median_call_ms(call, rounds: int, calls_per_round: int, warmup: int = 3) -> 
     begin = time.perf_counter()
     call()
     host_s = time.perf_counter() - begin
-    hold = jit.get_function("hold_stream", "hold_stream", {})
+    hold = bench_kernels.get_function("hold_stream", "hold_stream", {})
     hold_ns = int(hold_seconds(calls_per_round * host_s) * 1e9)
     times = []
     for _ in range(rounds):

@@ -27,7 +27,7 @@ import cupy
 import numpy as np
 
 import kvcupy as kc
-from kvcupy import jit
+from kvcupy.bench import kernels as bench_kernels
 
 BLOCK_SIZE, HEADS, KV_HEADS, HEAD_SIZE = 16, 32, 8, 128
 
@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--profile", default=None)
     parser.add_argument("--frameworks", default="torch,cupy")
     args = parser.parse_args()
-    hold = jit.get_function("hold_stream", "hold_stream", {})
+    hold = bench_kernels.get_function("hold_stream", "hold_stream", {})
     listing = io.StringIO()
     for framework in args.frameworks.split(","):
         for name, call in cases(framework):

@@ -25,8 +25,10 @@ import numpy as np
 import torch
 
 import kvcupy as kc
-from kvcupy import interop, jit
-from kvcupy.backends import cuda_attention, cuda_launch
+from kvcupy import interop
+from kvcupy.bench import kernels as bench_kernels
+from kvcupy.backends.cuda import launch as cuda_launch
+from kvcupy.backends.cuda.tuning import DEFAULT_TUNING
 
 SOURCE = r"""
 extern "C" __global__ void few(const float* a, float* b, int n, float s) {
@@ -69,7 +71,7 @@ def report(name: str, microseconds: float) -> None:
 
 
 def main() -> None:
-    hold = jit.get_function("hold_stream", "hold_stream", {})
+    hold = bench_kernels.get_function("hold_stream", "hold_stream", {})
     signature, values, _ = many_signature(56)
     module = cupy.RawModule(code=SOURCE.replace("ARGS", signature))
     few, many = module.get_function("few"), module.get_function("many")
@@ -146,7 +148,7 @@ def main() -> None:
     query = cupy.random.standard_normal((num_seqs, 32, 128), dtype=cupy.float32).astype(cupy.float16)
     out = cupy.empty_like(query)
     for dependent in (False, True):
-        tuning = replace(cuda_attention.DEFAULT_TUNING, dependent_launch=dependent)
+        tuning = replace(DEFAULT_TUNING, dependent_launch=dependent)
         batch = kc.plan_batch(block_table=table, seq_lens=np.full(num_seqs, seq_len, np.int32), block_size=16,
                               num_blocks=num_seqs * pages, num_query_tokens=num_seqs, tuning=tuning)
         kc.paged_attention(query, cache, batch=batch, out=out)

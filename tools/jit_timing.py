@@ -29,8 +29,9 @@ import time
 def _kernels() -> dict:
     from dataclasses import replace
 
-    from kvcupy.backends.cuda_attention import DEFAULT_TUNING, KV_INT4, STAGE_ROWS, Kernel, PrefillKernel, \
-        _prefill_kernel
+    from kvcupy.backends.cuda.kernels import KV_INT4, STAGE_ROWS, Kernel, PrefillKernel
+    from kvcupy.backends.cuda.planner import _prefill_kernel
+    from kvcupy.backends.cuda.tuning import DEFAULT_TUNING
 
     builds = {"prefill_producer": PrefillKernel.planned(KV_INT4, 128, 16, True, producer=True),
               "prefill_wgmma": PrefillKernel.planned(KV_INT4, 128, 16, True),

@@ -140,7 +140,7 @@ def run_table(report: dict) -> str:
 
 
 def targets_table(report: dict) -> str:
-    """The goals the bench grades (cli/bench_cuda.py, TARGETS) and where this report stands."""
+    """The goals the bench grades (kvcupy/bench/targets.py, TARGETS) and where this report stands."""
     rows = []
     for target in report["targets"]:
         measured = target["measured"]

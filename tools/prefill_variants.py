@@ -7,7 +7,7 @@ VARIANTS is a JSON list; each variant has a "name" and any of:
                 cache of bf16 rows under a bf16 query (torch tensors; "auto" is fp16 rows
                 under an fp16 query)
   "src":        a folder of kernel sources to compile instead of kernels_cu/ (KVCUPY_KERNEL_DIR)
-  "tuning":     planner tunables, {field: value} of cuda_attention.Tuning (e.g.
+  "tuning":     planner tunables, {field: value} of kvcupy.backends.cuda.tuning.Tuning (e.g.
                 {"prefill_wgmma": false}, {"prefill_producer_min_keys": 0},
                 {"prefill_short_keys": 0}, {"max_splits": 1}, {"prefill_split_gain": 0.8})
   "rotation":   the caches' rotation kind (default "none"; the bench's caches use "blockdiag")
@@ -41,7 +41,7 @@ import numpy as np
 
 import kvcupy as kc
 from kvcupy import jit
-from kvcupy.backends import cuda_attention
+from kvcupy.backends.cuda.tuning import DEFAULT_TUNING
 from gpu_timing import median_call_ms, save_results   # tools/, beside this script
 
 QUERY_HEADS, KV_HEADS, BLOCK_SIZE = 32, 8, 16
@@ -98,7 +98,7 @@ def with_variant(variant: dict, run):
     if "src" in variant:
         os.environ[jit.SOURCE_DIR_ENV] = os.path.abspath(variant["src"])
     try:
-        return run(replace(cuda_attention.DEFAULT_TUNING, **variant.get("tuning", {})))
+        return run(replace(DEFAULT_TUNING, **variant.get("tuning", {})))
     finally:
         jit.EXTRA_OPTIONS = plain_options
         if source is None:

@@ -16,7 +16,7 @@ decode build of 64-token tiles at d = 128:
         "KVC_HEADS": 8, "KVC_QUADS": 1, "KVC_TILE": 64, "KVC_STAGES": 3,
         "KVC_CHUNK": 16, "KVC_MIN_BLOCKS": 1, "KVC_STAGING": 2}'
 
-(`kvcupy.backends.cuda_attention.Kernel(...).defines` gives a build's defines.)
+(`kvcupy.backends.cuda.kernels.Kernel(...).defines` gives a build's defines.)
 """
 
 from __future__ import annotations

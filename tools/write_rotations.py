@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 import kvcupy as kc
-from cli.bench_cuda import WriteShape, copy_bytes, write_bytes
+from kvcupy.bench.accounting import copy_bytes, write_bytes
+from kvcupy.bench.shapes import WriteShape
 from gpu_timing import median_call_ms, save_results   # tools/, beside this script
 
 TOKENS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32768, 8, 128, 16

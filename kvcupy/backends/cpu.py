@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import numba
 import numpy as np
+from numba.core import event
 
 from .. import formats
 from ..rotation import RotationPlan, query_divisor, round_for_cache
@@ -45,6 +47,35 @@ def empty(shape: tuple, dtype, device) -> np.ndarray:
 
 def upload(array: np.ndarray, device) -> np.ndarray:
     return array
+
+
+class _CompileListener(event.Listener):
+    """Numba's "numba:compile" events (a compile, never a load from its cache) of
+    cpu_kernels' functions; report(name) for the outermost one only: the kernel a
+    call runs, not the helpers Numba compiles inside it."""
+
+    def __init__(self, report: Callable[[str], None]):
+        self.report = report
+        self.depth = 0
+
+    def on_start(self, ev) -> None:
+        function = ev.data["dispatcher"].py_func
+        if function.__module__ == kernels.__name__:
+            self.depth += 1
+            if self.depth == 1:
+                self.report(function.__name__)
+
+    def on_end(self, ev) -> None:
+        if ev.data["dispatcher"].py_func.__module__ == kernels.__name__:
+            self.depth -= 1
+
+
+@contextlib.contextmanager
+def reporting_compiles(report: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, report(kernel name) as Numba starts compiling a CPU kernel.
+    Kernels compiled before, in this process or in kernels.CACHE_DIR, report nothing."""
+    with event.install_listener("numba:compile", _CompileListener(report)):
+        yield
 
 
 # Below this many float32 values of work, a call runs on the calling thread.

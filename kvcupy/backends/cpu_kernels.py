@@ -10,7 +10,10 @@ float32 rounding.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -19,7 +22,46 @@ from numba.extending import intrinsic, overload
 
 from .. import formats
 from ..formats import FP8_MAX, INT4_LEVELS, INT8_MAX, MIN_SCALE, NONFINITE_SCALE_BITS, ZERO_POINT_MASK
+from ..jit import cache_dir
 from . import cpu_simd
+
+
+def _writable_cache_dir() -> str | None:
+    """Where Numba keeps these kernels' machine code: $NUMBA_CACHE_DIR when set (Numba's own
+    setting), else numba-<version>/ under kvcupy's cache root (jit.cache_dir(): $KVCUPY_CACHE_DIR,
+    else the user's cache folder); None when that folder cannot be written."""
+    folder = numba.config.CACHE_DIR or os.path.join(cache_dir(), f"numba-{numba.__version__}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError:
+        return None
+    return folder
+
+
+CACHE_DIR = _writable_cache_dir()
+
+
+def cached_njit(**options):
+    """numba.njit(**options) whose compiled code is kept in CACHE_DIR across processes.
+
+    Never beside this file, where Numba's own `cache=True` writes: in an installed
+    package that is site-packages, and files pip did not install there outlive an
+    uninstall and shadow the next install of kvcupy. Without a writable CACHE_DIR
+    the kernels compile in each process instead.
+    """
+    def decorate(function):
+        if CACHE_DIR is None:
+            return njit(**options)(function)
+        # Numba reads CACHE_DIR once per function, here, as it picks where to cache it;
+        # set for that moment only, so that other Numba users in the process see no change.
+        user_setting = numba.config.CACHE_DIR
+        numba.config.CACHE_DIR = CACHE_DIR
+        try:
+            return njit(cache=True, **options)(function)
+        finally:
+            numba.config.CACHE_DIR = user_setting
+    return decorate
 
 # Reassociation lets LLVM vectorise reductions; no nnan/ninf, since masked and
 # sink logits may be infinite.
@@ -39,7 +81,7 @@ QUANT_INT4, QUANT_INT8, QUANT_FP8 = (formats.KV_DTYPES[name].kernel_id for name 
 
 # --- rotation -------------------------------------------------------------
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _fwht_rows(buf, rows, pow2):
     """In-place unnormalised Walsh-Hadamard transform (Sylvester order) of each row."""
     for r in range(rows):
@@ -68,7 +110,7 @@ def _fwht_rows(buf, rows, pow2):
             h *= 2
 
 
-@njit(parallel=True, cache=True)
+@cached_njit(parallel=True)
 def rotate_rows(x, out, signs, mix, use_mix, pow2, inverse, divisor, read_order, write_order):
     """out[v, k] = y[write_order[k]] / divisor, y = H (s * x'[v]) or s * (H^T x'[v]),
     x'[v, i] = x[v, read_order[i]], H = mix (x) H_pow2.
@@ -102,19 +144,19 @@ def rotate_rows(x, out, signs, mix, use_mix, pow2, inverse, divisor, read_order,
 
 # --- quantization (float32, docs/format.md's order, no fast-math) --------------
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _round_half_away(v):
     # vLLM's rounding: add +-0.5 in float32, truncate toward zero.
     half = np.float32(0.5) if v >= 0 else np.float32(-0.5)
     return np.float32(np.trunc(np.float32(v + half)))
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _clamp(v, lo, hi):
     return min(max(v, lo), hi)
 
 
-@njit(cache=True)
+@cached_njit()
 def float_to_e4m3fn(v):
     """Bits of e4m3fn(v): round to nearest even, saturating at +-448."""
     sign = 0x80 if math.copysign(1.0, v) < 0 else 0
@@ -132,7 +174,7 @@ def float_to_e4m3fn(v):
 
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _all_finite(row):
     """No value of the float32 row has its exponent bits all ones (inf or NaN).
 
@@ -147,7 +189,7 @@ def _all_finite(row):
     return top != np.int32(0x7F800000)
 
 
-@njit(parallel=True, cache=True)
+@cached_njit(parallel=True)
 def quantize_vectors(x, kind, codes, scales, zero_points):
     """Quantize each row of x (float32 [N, d]) into codes [N, d_stored] (uint8 or int8),
     scales [N] float32 and zero_points [N] (int4 only)."""
@@ -272,7 +314,7 @@ CHUNK = 16
 TILE = 4   # rows per job: the tile functions below are written out for 4
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(fastmath=ATTENTION_FASTMATH)
 def _unpack_int4(data, block, offset, n, head, zero_points, nibbles):
     """nibbles[r, 0] = low nibbles, nibbles[r, 1] = high nibbles of stored row
     offset + r, each minus the row's zero-point.
@@ -294,7 +336,7 @@ def _unpack_int4(data, block, offset, n, head, zero_points, nibbles):
 # int8 caches are read through a uint8 view, like int4 and fp8 ones: the
 # attention kernel then compiles once for all three (each specialisation takes
 # a good part of the first run's compile time).
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(fastmath=ATTENTION_FASTMATH)
 def _decode_int8(data, block, offset, n, head, rows):
     for r in range(n):
         for i in range(rows.shape[1]):
@@ -303,7 +345,7 @@ def _decode_int8(data, block, offset, n, head, rows):
                                              >> np.int32(24)))
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(fastmath=ATTENTION_FASTMATH)
 def _convert(data, block, offset, n, head, rows):
     for r in range(n):
         for i in range(rows.shape[1]):
@@ -315,7 +357,7 @@ def _convert(data, block, offset, n, head, rows):
 # vector instructions; a 256- or 65536-entry lookup table would be a gather
 # per value.
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _small_float_to_float32(code, exponent_bits, mantissa_bits, ieee_specials):
     """float32 value of a sign | exponent | mantissa code, exponent bias 2^(exponent_bits-1) - 1.
 
@@ -344,52 +386,52 @@ def _small_float_to_float32(code, exponent_bits, mantissa_bits, ieee_specials):
     return np.int32(bits | sign).view(np.float32)
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def e4m3fn_to_float32(code):
     """float32 value of an e4m3fn code (0..255)."""
     return _small_float_to_float32(code, 4, 3, False)
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def float16_to_float32(code):
     """float32 value of IEEE half-precision bits (0..65535)."""
     return _small_float_to_float32(code, 5, 10, True)
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def bfloat16_to_float32(code):
     """float32 value of bfloat16 bits (0..65535): they are float32's upper half."""
     return np.int32(np.int32(code) << np.int32(16)).view(np.float32)
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(fastmath=ATTENTION_FASTMATH)
 def _decode_fp8(data, block, offset, n, head, rows):
     for r in range(n):
         for i in range(rows.shape[1]):
             rows[r, i] = e4m3fn_to_float32(data[block, offset + r, head, i])
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(fastmath=ATTENTION_FASTMATH)
 def _decode_fp16(data, block, offset, n, head, rows):
     for r in range(n):
         for i in range(rows.shape[1]):
             rows[r, i] = float16_to_float32(data[block, offset + r, head, i])
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(fastmath=ATTENTION_FASTMATH)
 def _decode_bf16(data, block, offset, n, head, rows):
     for r in range(n):
         for i in range(rows.shape[1]):
             rows[r, i] = bfloat16_to_float32(data[block, offset + r, head, i])
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _bits_to_float(bits):
     return np.uint32(bits).view(np.float32)
 
 
 # Inlined: as a call, it would update its arrays' reference counts on every chunk.
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _decode_chunk(mode, data, scale_bits, has_scales, block, offset, n, head,
                   rows, nibbles, scales, zero_points):
     """Decode stored rows offset .. offset+n-1 of one block into rows[:n] (float32
@@ -431,7 +473,7 @@ def _decode_chunk(mode, data, scale_bits, has_scales, block, offset, n, head,
         _decode_bf16(data, block, offset, n, head, rows)
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True, inline="always")
+@cached_njit(fastmath=ATTENTION_FASTMATH, inline="always")
 def _score_tile(q, g, h, rows, r, s, scores, j0):
     """scores[g, j0 + r + k] = q[g] . rows[r + k] and scores[h, j0 + s + k] = q[h] . rows[s + k]
     for k < TILE."""
@@ -455,7 +497,7 @@ def _score_tile(q, g, h, rows, r, s, scores, j0):
     scores[h, j0 + s + 3] = b3
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(fastmath=ATTENTION_FASTMATH)
 def _score_chunk(q, rows, n, scales, scores, j0):
     """scores[g, j0 + r] = q[g] . rows[r] * scales[r] for r < n."""
     group = q.shape[0]
@@ -470,7 +512,7 @@ def _score_chunk(q, rows, n, scales, scores, j0):
             scores[g, j0 + r] *= scales[r]
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True, inline="always")
+@cached_njit(fastmath=ATTENTION_FASTMATH, inline="always")
 def _accumulate_tile(acc, g, h, probs, j0, scales, rows, r, s):
     """acc[g] += rows r .. r+3 and acc[h] += rows s .. s+3, each row weighted by its
     probability times its scale."""
@@ -489,7 +531,7 @@ def _accumulate_tile(acc, g, h, probs, j0, scales, rows, r, s):
         acc[h, i] += b   # h may be g: then both add to the same row
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(fastmath=ATTENTION_FASTMATH)
 def _accumulate_chunk(probs, j0, rows, n, scales, acc):
     """acc[g] += sum_r probs[g, j0 + r] * scales[r] * rows[r] over r < n."""
     group = acc.shape[0]
@@ -502,7 +544,7 @@ def _accumulate_chunk(probs, j0, rows, n, scales, acc):
             _accumulate_tile(acc, group - 1, group - 1, probs, j0, scales, rows, r, r + TILE)
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(fastmath=ATTENTION_FASTMATH)
 def _mark_nonfinite_rows(rows, n, scales):
     """Give the rows r < n of an "auto" chunk that hold a NaN or +-inf the form a
     quantized cache stores them in (docs/format.md): values 0, scale NaN, which
@@ -519,7 +561,7 @@ def _mark_nonfinite_rows(rows, n, scales):
                 rows[r, i] = 0.0
 
 
-@njit(cache=True)
+@cached_njit()
 def _confine_nan_rows(probs, j0, n, scales, acc):
     """Rows r < n with a NaN scale (non-finite vectors, docs/format.md) reach only the
     query rows that see them: row g with probs[g, j0 + r] != 0 gets acc[g] =
@@ -540,7 +582,7 @@ def _confine_nan_rows(probs, j0, n, scales, acc):
 # Inlined, so that the body calls _confine_nan_rows only for a chunk with a NaN
 # scale: a call for every chunk, with its array views, took an 8 x 2048-token
 # int4 decode 1.2x the time (one thread).
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _any_nan(scales, n):
     for r in range(n):
         if np.isnan(scales[r]):
@@ -548,7 +590,7 @@ def _any_nan(scales, n):
     return False
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _chunk_at(block_table, seq, block_size, position, end):
     """(block, offset, n) of the chunk of rows from `position`: it stops at the
     block's end, after CHUNK rows or at `end`, whichever comes first."""
@@ -571,7 +613,7 @@ PREFETCH_ROWS = 2 * CHUNK
 SEGMENT = 512
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _load_chunk(mode, data, scale_bits, has_scales, block_table, seq, block_size, start, end, head,
                 rows, nibbles, scales, zero_points):
     """Decode the chunk of rows from position `start` (see _chunk_at, _decode_chunk)
@@ -599,7 +641,7 @@ _int4_accumulate_2 = cpu_simd.make_int4_accumulate(2)
 _int4_accumulate_1 = cpu_simd.make_int4_accumulate(1)
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _int4_chunk(data, scale_bits, block_table, seq, block_size, start, end, head, scales, zero_codes):
     """(block, offset, n) of the chunk from `start` (see _chunk_at) with its rows'
     scales and zero-points read out; prefetches the chunk PREFETCH_ROWS further."""
@@ -616,7 +658,7 @@ def _int4_chunk(data, scale_bits, block_table, seq, block_size, start, end, head
     return block, offset, n
 
 
-@njit(cache=True)
+@cached_njit()
 def _int4_scores(q, data, block, offset, head, n, zero_codes, scales, scores, column):
     """scores[g, column + r] = q[g] . row r * scales[r] for every row g of q, row r
     being data[block, offset + r, head]."""
@@ -631,7 +673,7 @@ def _int4_scores(q, data, block, offset, head, n, zero_codes, scales, scores, co
         _int4_scores_1(q, g, data, block, offset, head, n, zero_codes, scales, scores, column)
 
 
-@njit(cache=True)
+@cached_njit()
 def _int4_accumulate(acc, data, block, offset, head, n, zero_codes, weights):
     """acc[g] += sum_r weights[g, r] * (codes of row r - zero_codes[r]) for every row g
     of acc, row r being data[block, offset + r, head]."""
@@ -689,7 +731,7 @@ HALF_FLOAT_PREFETCH_ROWS = CHUNK
 CACHE_LINE_BYTES = 64
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def _half_float_chunk(data, block_table, seq, block_size, start, end, head):
     """(block, offset, n) of the chunk from `start` (see _chunk_at); prefetches
     every cache line of the chunk HALF_FLOAT_PREFETCH_ROWS further."""
@@ -702,7 +744,7 @@ def _half_float_chunk(data, block_table, seq, block_size, start, end, head):
     return _chunk_at(block_table, seq, block_size, start, end)
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(fastmath=ATTENTION_FASTMATH)
 def _finite_half_float_chunk(mode, data, block_table, seq, block_size, start, end, head):
     """Whether the chunk from `start` (see _chunk_at) holds only finite fp16 or bf16
     values (as mode says): no value with its exponent bits all ones."""
@@ -727,7 +769,7 @@ def _finite_half_float_chunk(mode, data, block_table, seq, block_size, start, en
 # took 31.3 s against 30.0-30.3 s, of the uint16 one 38.3 s against 35.8 s
 # (24.1-25.4 s and 24.6 s without these loops).
 
-@njit(cache=True)
+@cached_njit()
 def _half_float_scores(mode, queries, k, data, block_table, seq, block_size, start, end, head, all_scores, column):
     """scores[g, column + r] = q[g] . row r, q = queries[k] and scores = all_scores[k],
     for every row g of q and row r of the chunk from `start` (see
@@ -756,7 +798,7 @@ def _half_float_scores(mode, queries, k, data, block_table, seq, block_size, sta
     return n
 
 
-@njit(cache=True)
+@cached_njit()
 def _half_float_accumulate(mode, accs, k, data, block_table, seq, block_size, start, end, head, all_probs, column):
     """acc[g] += sum_r probs[g, column + r] * row r, acc = accs[k] and probs =
     all_probs[k], for every row g of acc and row r of the chunk from `start`
@@ -785,7 +827,7 @@ def _half_float_accumulate(mode, accs, k, data, block_table, seq, block_size, st
     return n
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(fastmath=ATTENTION_FASTMATH)
 def _max(x):
     """max(x) of float32 values, taken over int32 keys that order like them: an
     integer max reduction vectorises (vpmaxsd), a float one only with nnan."""
@@ -796,7 +838,7 @@ def _max(x):
     return np.int32(top ^ ((top >> np.int32(31)) & np.int32(0x7FFFFFFF))).view(np.float32)
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True, inline="always")
+@cached_njit(fastmath=ATTENTION_FASTMATH, inline="always")
 def _exp_nonpositive(x):
     """exp(x) for x <= 0 (Cephes' expf), written out so that the softmax loop
     vectorises: np.exp is a scalar libm call per value. About 1 ulp for
@@ -816,7 +858,7 @@ def _exp_nonpositive(x):
     return (p * (f * f) + f + np.float32(1.0)) * two_to_n
 
 
-@njit(fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(fastmath=ATTENTION_FASTMATH)
 def _softmax_segment(scores, visible_from, visible_to, softcap, running_max, running_sum, acc):
     """One segment of an online softmax over the columns of scores.
 
@@ -859,7 +901,7 @@ def _softmax_segment(scores, visible_from, visible_to, softcap, running_max, run
         running_sum[g] += total
 
 
-@njit(parallel=True, fastmath=ATTENTION_FASTMATH, cache=True)
+@cached_njit(parallel=True, fastmath=ATTENTION_FASTMATH)
 def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has_scales,
                     mode, block_table, seq_lens, cu_seqlens_q, token_seq, run_starts,
                     sliding_window, softcap, sinks, has_sinks, out, head_span, lanes):

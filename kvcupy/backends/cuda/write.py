@@ -1,235 +1,34 @@
-"""CUDA backend: CuPy launchers for the kernels in kernels_cu/ (compiled by jit.py).
+"""The write, rotate and copy-on-write launchers (kernels_cu/write.cu, rotate.cu,
+copy_blocks.cu) and the specialisations they ask jit for.
 
-Implements the protocol of `kvcupy.backends`. Arguments arrive validated
-(ops.py) as interop.Arrays of CuPy data: bfloat16 as uint16 bits and fp8 as
-uint8 bits, the logical dtype beside them. This module only plans and
-launches: it picks a kernel specialisation (compile-time -D constants, named
+Arguments arrive validated (ops.py) as interop.Arrays of CuPy data: bfloat16
+as uint16 bits and fp8 as uint8 bits, the logical dtype beside them. Each
+launcher picks its kernel's specialisation (compile-time -D constants, named
 from formats.CPP_TYPES), proves alignments, and passes pointers, element
-strides and explicitly typed scalars. Every launch runs on CuPy's current
-stream on the device the arrays live on, and nothing here waits for the
-device: index arrays already on the device are never read back (the kernels
-guard every id instead).
+strides and explicitly typed scalars, on CuPy's current stream on the device
+the arrays live on; nothing here waits for the device. Index arrays already on
+the device are never read back (the kernels guard every id instead).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import cupy
 import numpy as np
 
-from .. import backends, formats, jit
-from ..formats import CPP_TYPES, FP8_DTYPE
-from ..interop import BFLOAT16
-from ..rotation import RotationPlan, largest_pow2_divisor
+from ... import formats
+from ...formats import CPP_TYPES
+from ...rotation import RotationPlan, largest_pow2_divisor
+from . import arrays
+from .device import (_alignment, _cache_model_dtype, _contiguous_rows, _element_strides, _function,
+                     _logical_dtype, _persistent_grid, _rotation_on)
 
-name = "cuda"
-device_kind = "cuda"
-_this = sys.modules[__name__]   # what batch.py's uploads key on (backend.name, backend.upload)
-
-# The kernels use sm_80 instructions (cvt.rn.bf16.f32, min.NaN.f32).
-MIN_COMPUTE_CAPABILITY = 80
-
-
-# --- availability ---------------------------------------------------------
-
-def _version(number: int) -> str:
-    """CUDA's 12040 -> "12.4"."""
-    return f"{number // 1000}.{number % 1000 // 10}"
-
-
-@functools.lru_cache(maxsize=1)
-def availability() -> tuple[bool, str]:
-    """(usable, what runs it or why not). Asked on every call's dispatch: computed once."""
-    gaps = backends._machine_gaps(device_kind)
-    if gaps:
-        return False, "; ".join(gaps)
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:   # no driver, or a driver older than CuPy's runtime
-        return False, f"no usable CUDA device ({type(error).__name__}: {error})"
-    if count == 0:
-        return False, "no CUDA device"
-    try:
-        properties = cupy.cuda.runtime.getDeviceProperties(0)
-        gpu = properties["name"].decode() if isinstance(properties["name"], bytes) else str(properties["name"])
-        capability = properties["major"] * 10 + properties["minor"]
-        driver = _version(cupy.cuda.runtime.driverGetVersion())
-        runtime = _version(cupy.cuda.runtime.runtimeGetVersion())
-    except Exception as error:
-        return False, f"the CUDA device cannot be queried ({type(error).__name__}: {error})"
-    try:
-        nvrtc = ".".join(str(n) for n in jit.nvrtc_version())
-    except Exception as error:
-        return False, f"{gpu}: NVRTC is not usable ({type(error).__name__}: {error})"
-    if capability < MIN_COMPUTE_CAPABILITY:
-        return False, f"{gpu} is sm_{capability}; kvcupy's CUDA kernels need sm_{MIN_COMPUTE_CAPABILITY} or newer"
-    devices = f"{count} x {gpu}" if count > 1 else gpu
-    return True, (f"{devices} (sm_{capability}), CUDA driver {driver}, runtime {runtime}, "
-                  f"NVRTC {nvrtc}, CuPy {cupy.__version__}")
-
-
-# --- arrays ---------------------------------------------------------------
-
-def _storage(dtype) -> np.dtype:
-    """CuPy has no bfloat16 or float8: they are stored as their bits."""
-    dtype = np.dtype(dtype)
-    if dtype == BFLOAT16:
-        return np.dtype(np.uint16)
-    if dtype == FP8_DTYPE:
-        return np.dtype(np.uint8)
-    return dtype
-
-
-def import_dlpack(x) -> cupy.ndarray:
-    return cupy.from_dlpack(x)
-
-
-def current_stream(device) -> int:
-    """The handle of CuPy's current stream on `device` (0: the legacy default stream)."""
-    with cupy.cuda.Device(device.index):
-        return cupy.cuda.get_current_stream().ptr
-
-
-def device_view(pointer: int, shape: tuple, dtype: np.dtype, element_strides: tuple, owner, device) -> cupy.ndarray:
-    """A CuPy array over memory another framework owns on `device` (interop's torch
-    views): `shape` and `element_strides` (non-negative, in elements) from `pointer`,
-    `owner` kept alive with it."""
-    strides = tuple(stride * dtype.itemsize for stride in element_strides)
-    extent = dtype.itemsize + sum((size - 1) * stride for size, stride in zip(shape, strides))
-    memory = cupy.cuda.UnownedMemory(pointer, extent, owner, device.index)
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
-
-
-def dlpack_stream(device) -> int:
-    """CuPy's current stream on `device`, as DLPack names it: 1 for the legacy default
-    stream (whose handle is 0, which DLPack reserves), else the cudaStream_t (2 is the
-    per-thread default stream in both conventions)."""
-    with cupy.cuda.Device(device.index):
-        handle = cupy.cuda.get_current_stream().ptr
-    return handle or 1
-
-
-def zeros(shape: tuple, dtype, device) -> cupy.ndarray:
-    with cupy.cuda.Device(device.index):
-        return cupy.zeros(shape, _storage(dtype))
-
-
-def empty(shape: tuple, dtype, device) -> cupy.ndarray:
-    with cupy.cuda.Device(device.index):
-        return cupy.empty(shape, _storage(dtype))
-
-
-def upload(array: np.ndarray, device) -> cupy.ndarray:
-    with cupy.cuda.Device(device.index):
-        return cupy.asarray(array)
-
-
-# --- shared launch helpers ------------------------------------------------
-
-def _alignment(*byte_values: int, cap: int = 16) -> int:
-    """The largest power of two (<= cap) dividing every value: pointers, byte strides, sizes."""
-    alignment = cap
-    for value in byte_values:
-        value = abs(int(value))
-        if value:
-            alignment = min(alignment, value & -value)
-    return alignment
-
-
-def _element_strides(array: cupy.ndarray, axes: int) -> list[np.int64]:
-    return [np.int64(array.strides[axis] // array.itemsize) for axis in range(axes)]
-
-
-def _contiguous_rows(array: cupy.ndarray) -> cupy.ndarray:
-    """The array with a contiguous last axis (a copy only if it has none)."""
-    if array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
-        return cupy.ascontiguousarray(array)
-    return array
-
-
-def _logical_dtype(array: cupy.ndarray, given) -> np.dtype:
-    """The model dtype of a CuPy array: `given`, else its dtype, uint16 read as bfloat16 bits."""
-    if given is not None:
-        return np.dtype(given)
-    return BFLOAT16 if array.dtype == np.uint16 else np.dtype(array.dtype)
-
-
-def _function(device_index: int, entry: str, function: str, defines: tuple):
-    return _memoised_function(device_index, entry, function, defines, jit.EXTRA_OPTIONS,
-                              os.environ.get(jit.SOURCE_DIR_ENV))
-
-
-@functools.lru_cache(maxsize=None)
-def _memoised_function(device_index: int, entry: str, function: str, defines: tuple, options: tuple,
-                       source_override: str | None):
-    """`options` (jit.EXTRA_OPTIONS) and `source_override` ($KVCUPY_KERNEL_DIR), which
-    get_function reads, only key the memo: a tool that changes them gets the other build."""
-    with cupy.cuda.Device(device_index):
-        return jit.get_function(entry, function, dict(defines))
-
-
-@functools.lru_cache(maxsize=None)
-def _resident_blocks(device_index: int, kernel, threads: int) -> int | None:
-    """Blocks of `threads` of `kernel` that run at once on the whole device: the
-    grid of a persistent kernel (write.cu, rotate.cu walk their items by its
-    stride). None when the driver cannot say: any grid is correct, a full one
-    (one item per group) only gives up the prefetching."""
-    function = getattr(kernel, "kernel", kernel)   # a cupy.RawKernel wraps the driver function
-    try:
-        with cupy.cuda.Device(device_index):
-            processors = cupy.cuda.Device(device_index).attributes["MultiProcessorCount"]
-            per_processor = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, threads, 0)
-    except Exception:
-        return None
-    return max(1, processors * per_processor)
-
-
-def _persistent_grid(device_index: int, kernel, threads: int, items: int, items_per_block: int) -> int:
-    blocks = -(-items // items_per_block)
-    resident = _resident_blocks(device_index, kernel, threads)
-    return max(1, blocks if resident is None else min(blocks, resident))
-
-
-# --- rotation plans on the device -----------------------------------------
-
-SIGN_WORDS, MIX_WORDS = 8, 32   # rotation.cuh: kSignWords, kMixWords
-
-
-def rotation_words(plan: RotationPlan | None) -> np.ndarray:
-    """uint32 words rotation.cuh reads: the sign bits (bit i set: s[i] = -1), then the
-    kron mix one word per row (bit a of word r: M[r][a] = -1), forward, then transposed."""
-    words = np.zeros(SIGN_WORDS + 2 * MIX_WORDS, np.uint32)
-    if plan is None or plan.is_identity:
-        return words
-    negative = np.zeros(32 * SIGN_WORDS, np.uint8)
-    negative[:plan.head_size] = np.asarray(plan.signs) < 0
-    words[:SIGN_WORDS] = np.packbits(negative, bitorder="little").view("<u4")
-    if plan.kind == "kron":
-        mix = plan.mix_matrix() < 0
-        weights = np.uint32(1) << np.arange(plan.mix_size, dtype=np.uint32)
-        words[SIGN_WORDS:SIGN_WORDS + plan.mix_size] = (mix * weights).sum(axis=1, dtype=np.uint32)
-        words[SIGN_WORDS + MIX_WORDS:SIGN_WORDS + MIX_WORDS + plan.mix_size] = (mix.T * weights).sum(
-            axis=1, dtype=np.uint32)
-    return words
-
-
-_device_rotations: dict = {}
-
-
-def _rotation_on(plan: RotationPlan | None, device_index: int) -> cupy.ndarray:
-    """A plan's words on one device, uploaded once per (plan, device)."""
-    key = (plan, device_index)
-    found = _device_rotations.get(key)
-    if found is None:
-        with cupy.cuda.Device(device_index):
-            found = _device_rotations.setdefault(key, cupy.asarray(rotation_words(plan)))
-    return found
+if TYPE_CHECKING:
+    import cupy
 
 
 # --- vector layout --------------------------------------------------------
@@ -316,11 +115,6 @@ def vector_layout(head_size: int, plan: RotationPlan | None, lane_values: int) -
 
 # --- write path -----------------------------------------------------------
 
-def _cache_model_dtype(cache) -> np.dtype:
-    """The dtype an auto cache stores (CuPy holds bfloat16 as uint16 bits)."""
-    return BFLOAT16 if cache.storage_dtype == np.uint16 else np.dtype(cache.storage_dtype)
-
-
 def _write_tuning(kv_dtype: str, plan: RotationPlan | None) -> tuple[int, int]:
     """(values a lane holds, minimum blocks per SM) of the write kernel."""
     rotated = plan is not None and not plan.is_identity
@@ -365,12 +159,13 @@ def _write_defines(head_size: int, kv_dtype: str, cache_dtype: np.dtype, input_d
 
 def reshape_and_cache(key, value, cache, slots) -> None:
     """Write key/value (interop.Arrays [T, Hk, d]) at slots (a SlotMapping), one launch."""
+    import cupy
     num_tokens, num_heads, head_size = key.shape
     if num_tokens == 0:
         return
     device = cache.device
     with cupy.cuda.Device(device.index):
-        slot_ids = slots.on(_this, device)
+        slot_ids = slots.on(arrays, device)
         keys, values = _contiguous_rows(key.data), _contiguous_rows(value.data)
         defines = write_defines(head_size, cache.kv_dtype, _cache_model_dtype(cache), key.dtype, cache.rotation)
         layout = vector_layout(head_size, cache.rotation, _write_tuning(cache.kv_dtype, cache.rotation)[0])
@@ -432,6 +227,7 @@ def rotate_rows(x: cupy.ndarray, out: cupy.ndarray, plan: RotationPlan | None, *
     default). Arithmetic in float64, one rounding to float32, then one to out's dtype.
     Orders: int32 arrays of length d or None. plan None or "none": only orders and divisor.
     """
+    import cupy
     num_rows, head_size = x.shape
     if out.shape != x.shape:
         raise ValueError(f"out has shape {out.shape}; expected x's {x.shape}")
@@ -503,6 +299,7 @@ def _tensor_copy(tensor: cupy.ndarray) -> tuple:
 
 def copy_blocks(caches, pairs: np.ndarray) -> None:
     """Block pairs[i, 0] onto pairs[i, 1] in every tensor of every cache: one launch."""
+    import cupy
     pairs = np.ascontiguousarray(pairs, np.int64).reshape(-1, 2)
     if not pairs.size:
         return
@@ -529,67 +326,3 @@ def copy_blocks(caches, pairs: np.ndarray) -> None:
         for first in range(0, len(records), 65535):   # gridDim.y <= 65535
             part = descriptors[first:first + 65535]
             kernel((len(pairs), len(part)), (COPY_THREADS,), (part, device_pairs, np.int64(caches[0].num_blocks)))
-
-
-# --- what `kvcupy check` compiles (cuda_specs.FAMILIES) --------------------
-
-CHECK_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 256)
-
-
-def _check_plans(head_size: int) -> list:
-    from ..rotation import kron_factors, rotation_plan
-    plans = [rotation_plan(head_size, "none"), rotation_plan(head_size, "blockdiag"),
-             rotation_plan(head_size, "blockdiag", preset="vllm")]
-    if kron_factors(head_size):
-        plans.append(rotation_plan(head_size, "kron"))
-    return plans
-
-
-def specialisations(all: bool) -> list:
-    """(entry, kernels, defines) this module can launch, for cuda_specs: with all=True,
-    every KV dtype x input dtype x rotation (x auto cache dtype) over CHECK_HEAD_SIZES;
-    else one of each code path (each KV dtype, input dtype and rotation kind, the
-    smallest and largest head size, the orders, the copy)."""
-    from .cuda_specs import Specialisation
-    models = list(formats.MODEL_DTYPES.values())
-    found = [Specialisation("copy_blocks", ("copy_blocks",), {})]
-    if all:
-        for head_size in CHECK_HEAD_SIZES:
-            for plan in _check_plans(head_size):
-                for input_dtype in models:
-                    for kv_dtype, info in formats.KV_DTYPES.items():
-                        for cache_dtype in (models if not info.quantized else [input_dtype]):
-                            found.append(Specialisation("write", ("reshape_and_cache",), dict(write_defines(
-                                head_size, kv_dtype, cache_dtype, input_dtype, plan))))
-                    for output_dtype in {input_dtype, np.dtype(np.float32)}:
-                        for orders in (False, True):
-                            found.append(Specialisation("rotate", ("rotate_rows",), dict(rotate_defines(
-                                head_size, plan, input_dtype, output_dtype, orders))))
-        # Presets that differ only in their signs (runtime data) share a build.
-        return list({(spec.entry, tuple(sorted(spec.defines.items()))): spec for spec in found}.values())
-    from ..rotation import rotation_plan
-    bf16, fp16, fp32 = BFLOAT16, np.dtype(np.float16), np.dtype(np.float32)
-    for head_size, kind, preset, kv_dtype, input_dtype in (
-            (128, "blockdiag", "kvcupy", "int4_per_token_head", bf16),
-            (96, "blockdiag", "vllm", "int4_per_token_head", fp16),
-            (96, "kron", "kvcupy", "int8_per_token_head", fp32),
-            (256, "none", None, "fp8_per_token_head", bf16),
-            (32, "blockdiag", "kvcupy", "auto", fp16)):
-        plan = rotation_plan(head_size, kind, preset)
-        found.append(Specialisation("write", ("reshape_and_cache",), dict(write_defines(
-            head_size, kv_dtype, input_dtype, input_dtype, plan))))
-        found.append(Specialisation("rotate", ("rotate_rows",), dict(rotate_defines(
-            head_size, plan, input_dtype, fp32 if kind == "kron" else input_dtype, kind == "blockdiag"))))
-    return found
-
-
-# --- attention (kernels_cu/attention*, the lead's module) ------------------
-
-def plan_attention(*args, **kwargs):
-    from . import cuda_attention
-    return cuda_attention.plan_attention(*args, **kwargs)
-
-
-def paged_attention(*args, **kwargs):
-    from . import cuda_attention
-    return cuda_attention.paged_attention(*args, **kwargs)

@@ -1,5 +1,5 @@
 // stream_pages: the streaming ceiling of paged decode (`kvcupy bench --backend
-// cuda`, cli/bench_cuda.py). It reads, through the block table, exactly the
+// cuda`, kvcupy/bench). It reads, through the block table, exactly the
 // bytes a decode step over a paged cache must read (each sequence's K rows, V
 // rows and, when quantized, their scales, up to its length) and does nothing
 // else: the same pages, the same block table, the same split-KV grid
@@ -7,7 +7,7 @@
 // XOR-folds what it read into one word of `out`, so no load can be optimised
 // away.
 //
-// Compile-time shape (-D defines, from cli/bench_cuda.stream_defines):
+// Compile-time shape (-D defines, from kvcupy.bench.kernels):
 //   KVC_THREADS          threads a block (the launch's block size)
 //   KVC_BLOCK_SIZE       tokens a page
 //   KVC_ROW_BYTES        one token's K (or V) row in a page: every KV head side by side

@@ -1,0 +1,225 @@
+"""CUDA paged attention: launch kernels_cu/attention.cu for a batch the planner planned.
+
+A decode call is two launches on the caller's stream, none of which waits
+for the host: the attention kernel reads the caller's query, scales and
+rotates it (blockdiag: butterflies in a warp) and writes each split's
+partial softmax state; the merge kernel combines the splits (and the
+sinks), rotates back and writes `out`. On sm_90 and newer both are launched
+as programmatic dependents (launch.py): the attention grid of whatever
+the stream ran before it, the merge of the attention grid; their blocks wait
+in the kernel (griddepcontrol.wait, before they read anything) instead of
+behind the launch, and each grid lets the next one in once its own wait is
+over, so that at most one grid waits at a time. A kron plan's mix takes the
+rotate kernel instead, before (the query, to float32) and after (the merged
+rows): four launches. The prefill kernel reads the caller's query and rotates
+it itself (mma products with the rotation's fragments,
+`fragments.rotation_fragments`); with one split it also normalises, rotates
+back and writes `out`, so that a prompt is one launch; with several, the
+merge (and for kron the rotate kernel) follows as in decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ...rotation import query_divisor
+from . import arrays as backend
+from . import launch
+from .device import _rotation_on
+from .fragments import rotation_shift, rotation_stages
+from .kernels import ATTENTION_SIGNATURE, KV_FP8, MERGE_SIGNATURE, MERGE_WARPS, PrefillKernel, dtype_code
+from .planner import Plan
+from .write import rotate_rows
+
+
+def _buffer(plan: Plan, name: str, shape: tuple, device):
+    """A float32 buffer of one call's shape, made once per plan, name and shape."""
+    import cupy
+    key = (name, shape, device.index)
+    if key not in plan.workspace:
+        with cupy.cuda.Device(device.index):
+            plan.workspace[key] = cupy.zeros(shape, cupy.float32)
+    return plan.workspace[key]
+
+
+def _strides(plan: Plan, cache) -> tuple:
+    """Byte strides (block, slot, head) of K, V and their scales: twelve kernel arguments,
+    worked out once per cache (a layer's call then only passes them)."""
+    key = id(cache.key_cache), id(cache.k_scale_cache)
+    if key not in plan.strides:
+        scales = (cache.k_scale_cache, cache.v_scale_cache) if cache.k_scale_cache is not None else (
+            cache.key_cache, cache.value_cache)
+        values = tuple(np.int64(s) for a in (cache.key_cache, cache.value_cache) + scales for s in a.strides[:3])
+        plan.strides[key] = (values, cache)   # the cache kept alive: its ids stay its own
+    return plan.strides[key][0]
+
+
+def _pair_aligned(array) -> bool:
+    """Rows of `array` [T, H, d] start at a pair of elements (prefill.cuh reads and
+    writes pairs), its last axis contiguous."""
+    size = array.itemsize
+    return (array.strides[2] == size and array.strides[0] % (2 * size) == 0
+            and array.strides[1] % (2 * size) == 0 and array.data.ptr % (2 * size) == 0)
+
+
+def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> tuple:
+    """The prefill kernel's own arguments (attention.cuh, Params: query_in .. direct).
+
+    The kernel reads the caller's query and rotates it itself. With one split
+    it also normalises, rotates back and writes `out`, unless `out` is not
+    pair-aligned or the rotation's blocks are narrower than an mma fragment
+    (16 dims), where a product would carry a non-finite value across blocks:
+    those go through the merge (which rotates back block by block)."""
+    import cupy
+    kernel, rotation = plan.kernel, cache.rotation
+    q = query.data if _pair_aligned(query.data) else cupy.ascontiguousarray(query.data)
+    forward, inverse = plan.rotation_operands(rotation, kernel.head_pad, kernel.kv, cache.device)
+    shift = rotation_shift(rotation)
+    norm = 1 if shift < 0 else rotation.norm
+    # Blocks narrower than a fragment: a product would carry a NaN or inf across them.
+    narrow = rotation is not None and rotation.kind == "blockdiag" and rotation.block < 16
+    direct = plan.num_splits == 1 and not narrow and _pair_aligned(out.data)
+    size = q.itemsize
+    return (q, np.int64(q.strides[0] // size), np.int64(q.strides[1] // size), np.int32(dtype_code(query.dtype)),
+            forward if forward is not None else np.uintp(0), inverse if inverse is not None else np.uintp(0),
+            np.int32(shift), np.int32(rotation_stages(rotation)),
+            np.float32(1.0 / query_divisor(rotation, softmax_scale)), np.float32(1.0 / norm),
+            out.data, np.int64(out.data.strides[0] // out.data.itemsize),
+            np.int64(out.data.strides[1] // out.data.itemsize), np.int32(dtype_code(out.dtype)),
+            sinks if sinks is not None else np.uintp(0), np.int32(direct))
+
+
+def merge_split_warps(num_splits: int) -> int:
+    """Warps that share one row's merge (attention.cuh, merge_splits): the largest power
+    of two up to MERGE_WARPS and the split count."""
+    return min(MERGE_WARPS, 1 << (max(1, num_splits).bit_length() - 1))
+
+
+def _in_kernel_rotation(rotation) -> bool:
+    """Whether the decode kernel (the query) and the merge (the output) apply the
+    rotation themselves: none, or blockdiag (butterflies within a warp). A kron
+    plan's mix goes through the rotate kernel, before and after."""
+    return rotation is None or rotation.is_identity or rotation.kind == "blockdiag"
+
+
+def sign_shift(rotation) -> int:
+    """The kernels' sign_shift: log2 b of a blockdiag rotation's blocks (butterflies
+    within a warp, attention.cuh's warp_butterflies); -1 without a rotation."""
+    if rotation is None or rotation.is_identity:
+        return -1
+    if rotation.kind != "blockdiag":
+        raise ValueError(f"rotation kind {rotation.kind!r}: the kernels' butterflies are blockdiag only")
+    return rotation.block.bit_length() - 1
+
+
+def _sign_operands(rotation, device) -> tuple:
+    """(sign words, sign_shift) of the kernels' blockdiag butterflies; (null, -1): none,
+    or a plan they do not apply (_in_kernel_rotation)."""
+    if not _in_kernel_rotation(rotation) or sign_shift(rotation) < 0:
+        return np.uintp(0), np.int32(-1)
+    return _rotation_on(rotation, device.index), np.int32(sign_shift(rotation))
+
+
+def _decode_io(query, rotation, softmax_scale: float, signs: tuple) -> tuple:
+    """The decode kernel's values of the prefill arguments, and its own: where it
+    reads the caller's query itself (_in_kernel_rotation), that query, how to
+    scale it and `signs` (_sign_operands) to rotate it; otherwise a rotated
+    float32 query comes as `query`."""
+    import cupy
+    null = np.uintp(0)
+    if not _in_kernel_rotation(rotation):
+        q, strides, code, factor = null, (0, 0), 0, 1.0
+    else:
+        q = query.data if query.data.strides[2] == query.data.itemsize else cupy.ascontiguousarray(query.data)
+        strides = (q.strides[0] // q.itemsize, q.strides[1] // q.itemsize)
+        code, factor = dtype_code(query.dtype), 1.0 / query_divisor(rotation, softmax_scale)
+    return (q, np.int64(strides[0]), np.int64(strides[1]), np.int32(code), null, null, np.int32(-1),
+            np.int32(0), np.float32(factor), np.float32(1), null, np.int64(0), np.int64(0), np.int32(0),
+            null, np.int32(0)) + signs
+
+
+def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sliding_window,
+                    softcap: float, sinks, out) -> None:
+    import cupy
+    if not out.data.flags.c_contiguous:
+        # The merge (and the rotate kernel) write whole rows back to back: a strided
+        # `out` gets them through a contiguous copy.
+        with cupy.cuda.Device(cache.device.index):
+            rows = replace(out, data=cupy.empty(out.data.shape, out.data.dtype))
+        paged_attention(query, cache, batch, plan, softmax_scale=softmax_scale, sliding_window=sliding_window,
+                        softcap=softcap, sinks=sinks, out=rows)
+        out.data[...] = rows.data
+        return
+    device = cache.device
+    num_tokens, num_heads, head_size = query.shape
+    rows = (num_tokens, num_heads, head_size)
+    rotation = cache.rotation
+    rotated = rotation is not None and not rotation.is_identity
+    arrays = batch.arrays(backend, device)
+    kernel = plan.kernel
+    prefill = isinstance(kernel, PrefillKernel)
+    if prefill:
+        kernel = plan.for_query(query.dtype, rotation, out.dtype)
+    in_kernel = _in_kernel_rotation(rotation)
+    with cupy.cuda.Device(device.index):
+        sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
+        # The decode kernel's and the merge's butterflies (null, -1: none, or kron).
+        signs = _sign_operands(rotation, device)
+        if prefill:
+            io = _prefill_io(plan, query, cache, softmax_scale, sink_logits, out) + (np.uintp(0), np.int32(-1))
+        else:
+            io = _decode_io(query, rotation, softmax_scale, signs)
+        direct = bool(io[-3])
+        query_rows = None
+        if not prefill and not in_kernel:
+            # 1. The query in float32, rotated (kron), scaled (softmax scale, rotation norm).
+            query_rows = _buffer(plan, "query", rows, device)
+            rotate_rows(query.data.reshape(-1, head_size), query_rows.reshape(-1, head_size),
+                         rotation, inverse=False, divisor=query_divisor(rotation, softmax_scale),
+                         x_dtype=query.dtype, out_dtype=np.dtype(np.float32))
+        # 2. Partial softmax states of every split (prefill with one split: `out` itself).
+        part_out = None if direct else _buffer(plan, "part_out", (plan.num_splits,) + rows, device)
+        part_stats = None if direct else _buffer(plan, "part_stats", (plan.num_splits, num_tokens, num_heads, 2),
+                                                 device)
+        has_scales = cache.k_scale_cache is not None
+        code_unit = 256.0 if kernel.kv == KV_FP8 else 1.0
+        table = arrays["block_table"]
+        null = np.uintp(0)
+        grid = (plan.num_splits, plan.num_tiles, plan.head_groups)
+        attention_args = (
+            query_rows if query_rows is not None else null, cache.key_cache, cache.value_cache,
+            cache.k_scale_cache if has_scales else cache.key_cache,
+            cache.v_scale_cache if has_scales else cache.value_cache,
+            *_strides(plan, cache), table, arrays["seq_lens"], arrays["cu_seqlens_q"], plan.tiles,
+            part_out if part_out is not None else null, part_stats if part_stats is not None else null,
+            num_tokens, num_heads, num_heads // cache.num_kv_heads, head_size,
+            cache.key_cache.shape[3] * cache.key_cache.itemsize, cache.block_size,
+            int(cache.block_size).bit_length() - 1, cache.num_blocks, table.shape[1], plan.split_tokens,
+            sliding_window or 0, softcap, code_unit, *io)
+        launch.launch(plan.entry_handle(kernel), grid, (kernel.threads,), ATTENTION_SIGNATURE,
+                           attention_args, stream=cupy.cuda.get_current_stream().ptr,
+                           shared_bytes=kernel.shared_bytes, dependent=plan.dependent_launch)
+        if direct:
+            return
+        # 3. Merge the splits (and the sinks), rotating back into `out` (none or
+        # blockdiag); 4. a kron plan's rotate launch.
+        target = out.data if in_kernel else _buffer(plan, "out", rows, device)
+        target_dtype = out.dtype if in_kernel else np.dtype(np.float32)   # out.data: raw storage of bf16
+        split_warps = merge_split_warps(plan.num_splits)
+        merge_grid = (-(-num_tokens * num_heads * split_warps // MERGE_WARPS),)
+        merge_args = (part_out, part_stats, sink_logits if sink_logits is not None else null,
+                      target, np.int32(plan.num_splits), np.int32(num_tokens), np.int32(num_heads),
+                      np.int32(head_size), np.int32(split_warps), *signs,
+                      np.float32(1.0 / (rotation.norm if rotated else 1)))
+        if plan.dependent_launch:
+            # Its blocks start as the attention's leave, not after the launch gap.
+            launch.launch(plan.merge_handle(target_dtype), merge_grid, (32 * MERGE_WARPS,), MERGE_SIGNATURE,
+                               merge_args, stream=cupy.cuda.get_current_stream().ptr, dependent=True)
+        else:
+            plan.merge_function(target_dtype)(merge_grid, (32 * MERGE_WARPS,), merge_args)
+        if not in_kernel:
+            rotate_rows(target.reshape(-1, head_size), out.data.reshape(-1, head_size),
+                         rotation, inverse=True, divisor=float(rotation.norm),
+                         x_dtype=np.dtype(np.float32), out_dtype=out.dtype)

@@ -1,0 +1,68 @@
+"""The goals the CUDA bench grades itself against, and how a report stands."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .shapes import (BLOCK_SIZE, DECODE_D96, DECODE_FEW, DECODE_MAIN, DECODE_SHORT, PREFILL_CHUNKED, PREFILL_MAIN,
+                     PREFILL_SHORT, ROTATE_HEAD_SIZES, SHORT_NAMES, WRITE_MAIN, RotateShape, Shape, WriteShape)
+
+
+@dataclass(frozen=True)
+class Target:
+    text: str
+    kind: str
+    shape: Shape | WriteShape | RotateShape
+    kv_dtype: str | None
+    metric: str     # a key of the kvcupy case's record
+    bound: float    # met when the measured value is >= bound
+
+
+TARGETS = (
+    Target("decode int4, 32 x 32768, d = 128: >= 3.4 TB/s", "decode", DECODE_MAIN,
+           "int4_per_token_head", "tb_per_s", 3.4),
+    Target("decode int4, 32 x 32768, d = 128: >= 2.7x dense bf16 SDPA", "decode", DECODE_MAIN,
+           "int4_per_token_head", "speedup_vs_sdpa", 2.7),
+    Target("decode int4, 32 x 32768, d = 96: >= 3.4 TB/s", "decode", DECODE_D96,
+           "int4_per_token_head", "tb_per_s", 3.4),
+    Target("decode int8, 32 x 32768, d = 128: >= 3.4 TB/s", "decode", DECODE_MAIN,
+           "int8_per_token_head", "tb_per_s", 3.4),
+    Target("decode fp8, 32 x 32768, d = 128: >= 3.4 TB/s", "decode", DECODE_MAIN,
+           "fp8_per_token_head", "tb_per_s", 3.4),
+    Target("decode auto (bf16), 32 x 32768, d = 128: time within 10% of SDPA", "decode", DECODE_MAIN,
+           "auto", "speedup_vs_sdpa", 1 / 1.1),
+    Target("decode int4, 32 x 8192, d = 128: >= 3.2 TB/s", "decode", DECODE_SHORT,
+           "int4_per_token_head", "tb_per_s", 3.2),
+    Target("decode int4, 8 x 32768, d = 128: >= 3.2 TB/s", "decode", DECODE_FEW,
+           "int4_per_token_head", "tb_per_s", 3.2),
+    # The prefill issue's (causal FLOP counted over the triangle only).
+    *(Target(f"prefill {SHORT_NAMES[kv]}, 4 x 8192 causal, d = 128: >= 300 TFLOP/s", "prefill", PREFILL_MAIN,
+             kv, "tflop_per_s", 300.0) for kv in ("int4_per_token_head", "int8_per_token_head", "fp8_per_token_head")),
+    Target("prefill int4, 64 x 128 causal, d = 128: >= 50% of SDPA bf16", "prefill", PREFILL_SHORT,
+           "int4_per_token_head", "speedup_vs_sdpa", 0.5),
+    # Chunked: every cached key counted in full, the new tokens' own triangle as above.
+    Target("prefill int4, 4 x 2048 new over 30720 cached, d = 128: >= 300 TFLOP/s", "prefill", PREFILL_CHUNKED,
+           "int4_per_token_head", "tflop_per_s", 300.0),
+    Target("write int4, 32768 tokens x 8 heads, d = 128: >= 70% of copy bandwidth", "write", WRITE_MAIN,
+           "int4_per_token_head", "bandwidth_vs_copy", 0.7),
+    *(Target(f"rotate d = {d}: >= 80% of copy bandwidth", "rotate", RotateShape(1 << 20, d), None,
+             "bandwidth_vs_copy", 0.8) for d in ROTATE_HEAD_SIZES),
+)
+
+
+def evaluate_targets(groups: list[dict]) -> list[dict]:
+    """Each target whose group ran: measured value, bound, met (None: not measured)."""
+    results = []
+    for target in TARGETS:
+        shape = {**asdict(target.shape), "block_size": BLOCK_SIZE}
+        group = next((g for g in groups if g["kind"] == target.kind and g["shape"] == shape), None)
+        if group is None:
+            continue
+        record = next((r for r in group["cases"]
+                       if r["impl"] == "kvcupy" and r["kv_dtype"] == target.kv_dtype), None)
+        if record is None:
+            continue
+        measured = record.get(target.metric)
+        results.append({"target": target.text, "metric": target.metric, "measured": measured,
+                        "bound": target.bound, "met": None if measured is None else measured >= target.bound})
+    return results
