@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -64,6 +65,29 @@ def select(specs: list[Specialisation], kernels: str | None, defines: list[str])
     if not specs:
         raise typer.BadParameter("no specialisation has those kernels and defines", param_hint="'--define'")
     return specs
+
+
+def _stable_key(spec: Specialisation) -> tuple:
+    return spec.entry, spec.functions, tuple(sorted(jit.define_values(spec.defines).items())), spec.arch or ""
+
+
+def drawn(every: list[Specialisation], count: int, seed: str) -> list[Specialisation]:
+    """`count` specialisations of `every` drawn at random, the same ones for the same
+    seed on any machine (the list is put in a fixed order first)."""
+    ordered = sorted(every, key=_stable_key)
+    return random.Random(seed).sample(ordered, min(count, len(ordered)))
+
+
+def sampled(count: int, seed: str) -> list[Specialisation]:
+    """The representative sample (every kernel family and KV dtype, each code path
+    once) and `count` more drawn from every specialisation, each once."""
+    chosen, seen = [], set()
+    for spec in specialisations(False) + drawn(specialisations(True), count, seed):
+        key = _stable_key(spec)
+        if key not in seen:
+            seen.add(key)
+            chosen.append(spec)
+    return chosen
 
 
 def _compile_one(spec: Specialisation, arch: str) -> tuple[list[dict], dict | None]:
@@ -138,6 +162,10 @@ def check(
     arch: str = typer.Option(DEFAULT_ARCHES, help="Comma-separated archs to compile for (sm_XY)."),
     all_specs: bool = typer.Option(False, "--all", help="Every specialisation the library can launch, "
                                    "not a representative sample."),
+    sample: int = typer.Option(0, min=0, help="Besides the representative sample, this many "
+                               "specialisations drawn at random from --all's."),
+    seed: str = typer.Option("0", help="Seed of --sample's draw (e.g. a commit id: each commit "
+                             "checks other builds, reproducibly)."),
     kernels: str | None = typer.Option(None, "--kernel", help="Only specialisations with one of these "
                                        "kernels (comma-separated, e.g. prefill_attention,paged_attention)."),
     defines: list[str] = typer.Option([], "--define", help="Only specialisations built with NAME=VALUE "
@@ -163,7 +191,10 @@ def check(
                                    markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     arches = parse_arches(arch)
-    specs = select(specialisations(all_specs), kernels, defines)
+    if all_specs and sample:
+        raise typer.BadParameter("--all compiles every specialisation already; --sample adds to the "
+                                 "representative one", param_hint="'--sample'")
+    specs = select(specialisations(True) if all_specs else sampled(sample, seed), kernels, defines)
     with render.progress_display(len(specs) * len(arches), Console(stderr=True)) as display:
         report = run_check(arches, specs, jobs, display.advance)
     report["all"] = all_specs
