@@ -13,8 +13,12 @@ import numpy as np
 
 from ... import formats
 
-# attention.cuh's KV_* codes.
-KV_INT4, KV_INT8, KV_FP8, KV_F16, KV_BF16 = range(5)
+# attention.cuh's KV_* codes (tests/test_kernel_constants.py holds the two sides equal).
+# The quantized codes and fp16 rows are the formats table's kernel ids (the
+# write kernels' KVC_KV_DTYPE); bf16 rows, which the write path takes as auto, follow.
+KV_INT4, KV_INT8, KV_FP8, KV_F16 = (formats.KV_DTYPES[name].kernel_id for name in
+                                    ("int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "auto"))
+KV_BF16 = KV_F16 + 1
 HEAD_CLASS = 32          # head sizes are padded up to a multiple of this (masked)
 SHARED_BYTES_PER_SM = 227 * 1024
 # How a decode block stages its tiles (Kernel.staging, attention.cuh's KVC_STAGING):
