@@ -20,9 +20,8 @@ and the machine's load average when the run began (timings taken while other
 programs share the cores say little). Before its timed calls in a round, a case
 is called untimed for at least `warmup` calls and SETTLE_S seconds: its
 memory is warm after that, and the previous case's threads have gone idle
-(OpenBLAS workers keep spinning for about 0.1 s after a matmul; measured on
-a 2-core machine, the first four kvcupy decode calls after the baseline took
-2-3x their steady time). Each case's timed calls of all rounds are pooled
+(OpenBLAS workers keep spinning for about 0.1 s after a matmul, and slow the
+next case's first calls while they do). Each case's timed calls of all rounds are pooled
 and their median is reported. speedup_vs_baseline = baseline median /
 kvcupy median: above 1, kvcupy is faster.
 """

@@ -243,8 +243,8 @@ def _torch_device_view(x, device: Device, backend):
     """(CuPy array over a torch GPU tensor's memory, logical dtype or None) built from
     its pointer, shape and strides, or None where the DLPack exchange must run.
 
-    DLPack's export costs torch some 20 us of Python a tensor, and the
-    exchange around it more (measured: tools/host_primitives.py); all it adds
+    DLPack's export costs torch tens of microseconds of Python a tensor, and
+    the exchange around it more (tools/host_primitives.py); all it adds
     here is the ordering of torch's pending work before the consumer's stream,
     which is nothing when that stream is torch's current one, the stream every
     kvcupy call on torch tensors runs on (`running_on`). So the view is built
@@ -418,7 +418,7 @@ def jax_ready_stream(device) -> int | None:
     """The stream kvcupy runs JAX arrays' calls on: one a JAX GPU device takes external
     data on (what jax.dlpack.from_dlpack passes to producers, and where JAX waits for
     them), asked once per device and kept. JAX hands out several such streams in turn
-    (seen on the H200: a call's write and its attention got different ones), and
+    (a call's write and its attention may get different ones), and
     kvcupy's own calls must stay ordered among themselves: a write, then the attention
     that reads it. Exchanges with JAX stay ordered whichever stream JAX names, through
     DLPack's stream argument. None where the JAX build does not implement it (then

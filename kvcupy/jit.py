@@ -40,8 +40,8 @@ CACHE_DIR_ENV = "KVCUPY_CACHE_DIR"
 BASE_OPTIONS = ("--std=c++17", "-Xptxas=-v")
 NVRTC_OPTIONS_ENV = "KVCUPY_NVRTC_OPTIONS"
 # Options every compile adds after BASE_OPTIONS (part of every key): $KVCUPY_NVRTC_OPTIONS,
-# split at whitespace, e.g. "-lineinfo" for a profiler's source view; the tools' A/Bs set
-# it ("nvrtc_options" in tools/*_variants.py) to time one kernel compiled two ways.
+# split at whitespace, e.g. "-lineinfo" for a profiler's source view; tools/*_variants.py
+# set it ("nvrtc_options") to time one kernel compiled two ways.
 EXTRA_OPTIONS: tuple[str, ...] = tuple(os.environ.get(NVRTC_OPTIONS_ENV, "").split())
 
 Defines = Mapping[str, object]

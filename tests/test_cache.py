@@ -20,7 +20,7 @@ from kvcupy.formats import kv_dtype_info
 from .helpers import relative_error
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS = 2, 4, 2, 4
-TOLERANCE = 1e-5   # DESIGN.md: CPU attention within 1e-5 relative of the oracle
+TOLERANCE = 1e-5   # cli/bounds.py, IMPL_BOUND: CPU attention within 1e-5 relative of the oracle
 
 
 def manager(num_blocks=8, head_size=32, kv_dtype="int4_per_token_head", **kwargs):

@@ -21,8 +21,8 @@ def sixteen_token(kv: int, head_pad: int, heads: int = 8, quads: int = 1) -> Ker
 
 @pytest.mark.parametrize("kv", ONE_BYTE)
 def test_d128_takes_one_block_of_32_token_tiles(kv):
-    """Three stages of 32 tokens x 8 heads fill a multiprocessor: one block of 8 warps
-    (measured faster than two blocks of 16-token tiles)."""
+    """Three stages of 32 tokens x 8 heads fill a multiprocessor: one block of 8 warps,
+    which beats two blocks of 16-token tiles."""
     chosen = planner._round_tile(sixteen_token(kv, 128), TUNING)
     assert (chosen.tile, chosen.stages, chosen.blocks_per_sm) == (32, 3, 1)
 
@@ -50,7 +50,7 @@ def test_a_wider_tile_fits_and_keeps_enough_warps(kv, heads, head_pad):
 
 @pytest.mark.parametrize("kernel", [
     sixteen_token(KV_INT8, 128, quads=2),       # GQA 8 / speculative decoding: two quads a warp
-    sixteen_token(KV_FP8, 160),                 # above the measured head sizes
+    sixteen_token(KV_FP8, 160),                 # above tuning.round_max_head_pad
     sixteen_token(KV_BF16, 128),                # auto caches
     Kernel(KV_INT4, 128, 8, 1, 32, 16, kernels.STAGE_ROWS),   # int4 has 32-token tiles already
 ], ids=("two-quads", "d160", "auto", "int4"))
@@ -111,7 +111,7 @@ def test_auto_caches_keep_thread_copies_otherwise(case):
 
 @pytest.mark.parametrize("head_pad,stages,blocks", [(128, 3, 1), (96, 2, 2)])
 def test_int4_takes_64_token_tiles(head_pad, stages, blocks):
-    """int4, one quad, row copies: 64-token tiles (measured faster where splits are
+    """int4, one quad, row copies: 64-token tiles (faster where splits are
     long: planner.py), at d = 128 one block of 8 warps a multiprocessor, at
     d = 96 two of two stages, their row copies issued before a tile."""
     chosen = planner._long_tile(Kernel(KV_INT4, head_pad, 8, 1, 32, 16, kernels.STAGE_ROWS), TUNING)
@@ -123,10 +123,10 @@ def test_int4_takes_64_token_tiles(head_pad, stages, blocks):
 
 
 @pytest.mark.parametrize("kernel", [
-    Kernel(KV_INT4, 96, 4, 1, 32, 16, kernels.STAGE_ROWS),    # two blocks of 4 warps: not measured
-    Kernel(KV_INT4, 64, 8, 1, 32, 16, kernels.STAGE_ROWS),    # not measured
+    Kernel(KV_INT4, 96, 4, 1, 32, 16, kernels.STAGE_ROWS),    # two blocks of 4 warps: not tuned for
+    Kernel(KV_INT4, 64, 8, 1, 32, 16, kernels.STAGE_ROWS),    # not tuned for
     Kernel(KV_INT4, 128, 8, 2, 32, 16, kernels.STAGE_ROWS),   # two quads a warp
-    Kernel(KV_INT4, 128, 8, 1, 32, 16, kernels.STAGE_BULK),   # bulk copies: not measured
+    Kernel(KV_INT4, 128, 8, 1, 32, 16, kernels.STAGE_BULK),   # bulk copies: not tuned for
     Kernel(KV_INT4, 128, 4, 1, 32, 16, kernels.STAGE_ROWS),   # one block of 4 warps would be left
     Kernel(KV_INT8, 128, 8, 1, 32, 16, kernels.STAGE_ROWS),   # 1-byte codes: a 64-token block does not fit
 ], ids=("d96-four-heads", "d64", "two-quads", "bulk", "four-heads", "int8"))

@@ -1,4 +1,4 @@
-"""Bad calls raise an error naming the argument, and change nothing (DESIGN.md "Errors")."""
+"""Bad calls raise an error naming the argument, and change nothing (docs/design.md, "Validation policy")."""
 
 import numpy as np
 import pytest

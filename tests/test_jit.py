@@ -56,7 +56,7 @@ def _write_kernels(folder: Path, tag: str, addend: str = "1.0f") -> Path:
 
 @pytest.fixture(scope="session")
 def cache_root(tmp_path_factory) -> Path:
-    # One root for the session: NVRTC unpacks its bundled headers (~26 MB) there once.
+    # One root for the whole test run: NVRTC unpacks its bundled headers (~26 MB) there once.
     return tmp_path_factory.mktemp("kvcupy-cache")
 
 
@@ -188,8 +188,8 @@ def test_a_new_process_finds_the_cubin_on_disk(kernels):
     cached, path, seconds = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
                                            text=True, env=os.environ.copy()).stdout.split()
     assert (cached, Path(path)) == ("True", built.path)
-    # ~0.02 s here (most of it loading libnvrtc for its version); the bound leaves room for a
-    # busy CI machine. The 0.2 s target, module load included, is the gpu test's below.
+    # A few hundredths of a second (most of it loading libnvrtc for its version); the bound
+    # leaves room for a busy CI machine. The 0.2 s target, module load included, is the gpu test's below.
     assert float(seconds) < 1.0, f"a new process took {float(seconds):.3f} s to find the cubin"
 
 
@@ -454,7 +454,7 @@ def test_selftest_runs_on_the_current_stream(monkeypatch, cache_root):
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_count() == 0, reason="needs a CUDA GPU")
 def test_a_new_process_loads_a_cached_kernel_within_the_target(monkeypatch, cache_root):
-    """Issue 8's JIT target: a new process loads a compiled kernel from disk in <= 0.2 s after imports."""
+    """The JIT target: a new process loads a compiled kernel from disk in <= 0.2 s after imports."""
     monkeypatch.setenv(jit.CACHE_DIR_ENV, str(cache_root))
     monkeypatch.delenv(jit.SOURCE_DIR_ENV, raising=False)
     script = textwrap.dedent("""
@@ -468,7 +468,7 @@ def test_a_new_process_loads_a_cached_kernel_within_the_target(monkeypatch, cach
     """)
     run = lambda: float(subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
                                        text=True, env=os.environ.copy()).stdout)
-    first = run()           # compiles (or finds a cubin from an earlier session)
+    first = run()           # compiles (or finds a cubin from an earlier run)
     second = run()
     assert first <= 5.0, f"first compile took {first:.2f} s"
     assert second <= 0.2, f"loading from the disk cache took {second:.3f} s"

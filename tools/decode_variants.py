@@ -18,7 +18,7 @@ Each (variant, dtype) is timed as the whole paged_attention call (query scale,
 attention, merge), 10 calls between two CUDA events after 3 warm-up calls, the
 median of 15 such pairs, each queued behind a hold kernel (gpu_timing: the GPU's
 time, not the host's); TB/s counts the packed K/V and scale bytes. Prints one
-line a case and writes variants.json to $OUT (or the current folder). The
+line a case and writes variants.json (gpu_timing.save_results). The
 bench (`kvcupy bench --backend cuda`) is the reference for absolute numbers;
 this is for comparing kernel versions and planner choices on one GPU.
 """

@@ -3,7 +3,8 @@
 #   the GPU tests (tools/gpu_tests.py: parallel parts sharing the GPU),
 #   compute-sanitizer memcheck on a subset (decode and prefill over shuffled pages),
 #   the bench of every group (JSON, for docs/measurements/<gpu>.json).
-# Logs and JSON go to $1 (default: $OUT, else ./gpu-check).
+# Logs and JSON go to $1 (default: the folder the environment variable OUT names,
+# else ./gpu-check).
 #
 #   tools/gpu_check.sh [OUTPUT_DIR] [--quick]
 #

@@ -10,9 +10,9 @@ DIR/part<k>.log. Prints each part's summary line and the totals (a part stopped
 by --timeout: the outcomes its log shows so far, from pytest's progress
 characters or, with -v, its result words); the exit status is 1 where a part
 failed, errored or ran out of time, else 0. --only K-L starts parts K to L
-alone (of --parts N, from 0): a suite too long for one sitting (a device
-call's time limit) runs as several calls with the same N, e.g. --parts 30
---only 0-14, then --only 15-29, whose parts together cover the selection once.
+alone (of --parts N, from 0): a suite too long for one job's time limit runs
+as several jobs with the same N, e.g. --parts 30 --only 0-14, then --only
+15-29, whose parts together cover the selection once.
 """
 
 from __future__ import annotations

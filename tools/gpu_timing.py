@@ -44,7 +44,7 @@ def median_call_ms(call, rounds: int, calls_per_round: int, warmup: int = 3) -> 
 
 
 def save_results(name: str, records: list) -> None:
-    """`records` as JSON to $OUT/`name` (the device's folder that comes back), or to
-    the current folder where $OUT is unset."""
+    """`records` as JSON to `name` in the folder the environment variable OUT names,
+    else in the current folder."""
     with open(os.path.join(os.environ.get("OUT", "."), name), "w") as handle:
         json.dump(records, handle, indent=1)

@@ -26,7 +26,7 @@ two calls between CUDA events after 3 warm-up calls,
 the median of 7, each pair queued behind a hold kernel (gpu_timing); TFLOP/s
 counts 4 d Hq per (query, key it sees): the causal square by halves, a chunk's
 cached part in full. Prints one JSON line a case
-and writes prefill_variants.json to $OUT (or the current folder).
+and writes prefill_variants.json (gpu_timing.save_results).
 """
 
 from __future__ import annotations

@@ -80,9 +80,8 @@ def reporting_compiles(report: Callable[[str], None]) -> Iterator[None]:
 
 # Below this many float32 values of work, a call runs on the calling thread.
 # Numba's worker threads (OpenMP) wake in microseconds on an idle machine, but
-# when the other core is busy a wake-up can wait a scheduler slice: rotating 32
-# vectors took 8 ms on 2 threads against 0.05 ms on one (measured on a 2-core
-# machine under load). Small calls gain nothing from a second thread anyway.
+# when another core is busy a wake-up can wait a whole scheduler slice, far
+# longer than a small call's work, which gains nothing from a second thread.
 PARALLEL_MIN_VALUES = 1 << 18
 
 

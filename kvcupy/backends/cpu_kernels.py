@@ -178,10 +178,8 @@ def float_to_e4m3fn(v):
 def _all_finite(row):
     """No value of the float32 row has its exponent bits all ones (inf or NaN).
 
-    An integer max vectorises. Measured on 65536 x 128 vectors, one thread:
-    int4, int8 and fp8 quantization took 1.03x, 1.01x and 1.02x the time
-    without the check; with an early exit at the first non-finite value
-    instead, which does not vectorise, int4 took about 1.5x.
+    An integer max vectorises, so the check costs the quantizers next to
+    nothing; an early exit at the first non-finite value would not vectorise.
     """
     top = np.int32(0)
     for i in range(row.shape[0]):
@@ -286,9 +284,8 @@ def _make_prefetch_line(locality: int):
 
 
 _prefetch_line = _make_prefetch_line(3)
-# For cpu_simd's loops. Measured (2 threads, 8 x 4096 int4 decode, paired
-# calls, three runs): 0.89-0.95x the time of prefetching into L1, where the
-# buffer path of the other formats took 1.05-1.06x.
+# For cpu_simd's loops, which read rows straight from the cache: for them a
+# prefetch into L2 pays better than into L1, the buffer path's choice.
 _prefetch_line_to_l2 = _make_prefetch_line(2)
 
 
@@ -568,8 +565,8 @@ def _confine_nan_rows(probs, j0, n, scales, acc):
     NaN, and the scale becomes 0, so that a row with probability 0 does not get
     0 * NaN = NaN from the value sums. (A seen column's probability is never 0:
     _exp_nonpositive stops at exp(-87).) Called only for a chunk that has such a
-    row (_any_nan): a NaN-safe weight inside the value tiles instead cost 2.5-4%
-    of a 512-token prefill (int8, "auto" float32 and float16, one thread)."""
+    row (_any_nan): a NaN-safe weight inside the value tiles instead would slow
+    every chunk for a case that is rare."""
     for r in range(n):
         if np.isnan(scales[r]):
             for g in range(acc.shape[0]):
@@ -580,8 +577,7 @@ def _confine_nan_rows(probs, j0, n, scales, acc):
 
 
 # Inlined, so that the body calls _confine_nan_rows only for a chunk with a NaN
-# scale: a call for every chunk, with its array views, took an 8 x 2048-token
-# int4 decode 1.2x the time (one thread).
+# scale: a call for every chunk, with its array views, is a visible cost.
 @cached_njit(inline="always")
 def _any_nan(scales, n):
     for r in range(n):
@@ -602,10 +598,8 @@ def _chunk_at(block_table, seq, block_size, position, end):
 # Rows ahead of the one being decoded whose cache lines are requested early:
 # a head's rows lie a whole row of all heads apart, and a block's rows span
 # few enough of them per 4 KiB page that the hardware prefetchers barely
-# follow. Measured on a 2-core AVX2 machine, 8 x 4096-token decode, medians
-# of paired calls with and without, two runs: fp8 9-20% and fp16 7-8% faster,
-# int8 within 1%, int4 (compute-bound, a quarter of the bytes) 2% slower, so
-# int4 skips it.
+# follow. int4 skips it: its loop is compute-bound on a quarter of the bytes,
+# and the extra requests cost more than they hide.
 PREFETCH_ROWS = 2 * CHUNK
 
 # Columns (cached positions) per segment of a work item's online softmax: its
@@ -630,9 +624,8 @@ def _load_chunk(mode, data, scale_bits, has_scales, block_table, seq, block_size
 
 
 # int4 rows with d a multiple of 16 skip the float32 buffer: the loops in
-# cpu_simd unpack them in registers (tiles of 4, 2 and 1 query rows). Measured
-# on a 2-core AVX2 machine, one thread, cache-resident rows, 4 query rows:
-# 21 against 28 ns per row for the scores, 16 against 30 for the values.
+# cpu_simd unpack them in registers (tiles of 4, 2 and 1 query rows), saving
+# the buffer's store and reload.
 _int4_scores_4 = cpu_simd.make_int4_scores(4)
 _int4_scores_2 = cpu_simd.make_int4_scores(2)
 _int4_scores_1 = cpu_simd.make_int4_scores(1)
@@ -690,10 +683,8 @@ def _int4_accumulate(acc, data, block, offset, head, n, zero_codes, weights):
 
 # fp16 and bf16 rows ("auto" caches, no scales) with d a multiple of 16 skip
 # the float32 buffer as well: cpu_simd converts 8 values at a time in
-# registers (vcvtph2ps for fp16) for the same FMA chains. Measured on the
-# 8 x 4096 fp16 decode (2 threads, paired calls, 2-core AVX2 machine): with
-# the buffer path's prefetching, 0.57-0.66x the time of the buffer path (four
-# runs); with _half_float_chunk's, 0.29-0.51x (seven runs).
+# registers (vcvtph2ps for fp16) for the same FMA chains, with their own
+# prefetching (_half_float_chunk).
 _fp16_scores_4 = cpu_simd.make_half_float_scores(cpu_simd.FLOAT16_ROWS, 4)
 _fp16_scores_2 = cpu_simd.make_half_float_scores(cpu_simd.FLOAT16_ROWS, 2)
 _fp16_scores_1 = cpu_simd.make_half_float_scores(cpu_simd.FLOAT16_ROWS, 1)
@@ -720,13 +711,9 @@ def _holds_16_bit_values_typed(data):
     return lambda data: holds
 
 
-# A 16-bit row of d = 128 spans 4 cache lines (int4's spans one); all of
-# them are prefetched, into L2, one chunk ahead. Measured on the 8 x 4096
-# fp16 decode (2 threads, paired calls, 2-core AVX2 machine shared with other
-# jobs, two to five runs each), this took 0.50-0.80x the time of the
-# buffer path's way (first line into L1, two chunks ahead), 0.65-0.97x of no
-# prefetching, 0.66-1.0x of the first line only into L2, 0.67-1.0x of every
-# line into L1 and 0.91-1.0x of every line into L2 two chunks ahead.
+# A 16-bit row of d = 128 spans 4 cache lines (int4's spans one), so the
+# first line alone leaves most of a row to the hardware prefetchers: every
+# line is prefetched, one chunk ahead, into L2 (as for int4's loops).
 HALF_FLOAT_PREFETCH_ROWS = CHUNK
 CACHE_LINE_BYTES = 64
 
@@ -761,13 +748,9 @@ def _finite_half_float_chunk(mode, data, block_table, seq, block_size, start, en
 # The two functions below take a chunk's position, not its rows, and the
 # work item's arrays with the KV head's index k, not views: the kernel's body
 # holds one plain call per phase for them. With the chunk lookup and the
-# prefetch loop inlined into the body (as _int4_chunk is), the int4, int8 and
-# fp8 decodes, which never run that code, took 1.11-1.17x, 1.06-1.09x and
-# 1.11-1.30x the time of a kernel without them (8 x 4096 decode, paired
-# calls, 2-6 runs each on a 2-core AVX2 machine); called, 0.93-1.02x. Views
-# (q[k]) as arguments cost compile time: the first call of the uint8 kernel
-# took 31.3 s against 30.0-30.3 s, of the uint16 one 38.3 s against 35.8 s
-# (24.1-25.4 s and 24.6 s without these loops).
+# prefetch loop inlined into the body (as _int4_chunk is), they slowed the
+# int4, int8 and fp8 decodes, which never run that code; called, they cost
+# nothing measurable. Views (q[k]) as arguments add compile time.
 
 @cached_njit()
 def _half_float_scores(mode, queries, k, data, block_table, seq, block_size, start, end, head, all_scores, column):
@@ -919,14 +902,12 @@ def paged_attention(query, key_data, value_data, k_scale_bits, v_scale_bits, has
     sliding window become the range of columns its rows see. The item walks
     its rows chunk by chunk, every KV head of the span per chunk: a cache
     row holds all KV heads side by side, so it reads a block's bytes in one
-    sweep instead of one head's slice in every row (on the 8 x 4096 int4
-    decode of `kvcupy bench`, 8 heads a span took 0.72-0.79x the time of one).
+    sweep instead of one head's slice in every row.
 
     `lanes` workers (one per thread) claim items one at a time from a shared
     counter rather than taking a fixed share: items differ in cost (a varlen
     batch's sequences, sliding windows), and so do the cores of a shared
-    machine (on a 2-core VM one core ran this kernel 1.3x slower than the
-    other, and which one changed from minute to minute).
+    machine, whose speeds change with the load beside them.
     """
     num_heads, d = query.shape[1], query.shape[2]
     block_size = key_data.shape[1]

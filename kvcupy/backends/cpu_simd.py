@@ -11,8 +11,8 @@ value is converted to float32 in registers and consumed there by eight
 independent FMA chains, the number two FMA units of latency 4 keep busy.
 
 The IR uses generic 8-lane vectors and LLVM's fma intrinsic, which LLVM
-lowers to what the host has: ymm registers and vfmadd on AVX2 (the only kind
-measured); narrower registers elsewhere, and on a CPU without FMA a correct
+lowers to what the host has: ymm registers and vfmadd on AVX2 (the target
+it is tuned for); narrower registers elsewhere, and on a CPU without FMA a correct
 but slow library call per lane. Likewise `fpext <8 x half>` is one vcvtph2ps
 with F16C (every AVX2 CPU has it), a library call per lane without.
 
@@ -226,9 +226,8 @@ def _arrays_match(values, dtypes):
 
 # Rows a scores step takes, and whether a (head, row) keeps its two half-row
 # sums in one accumulator, per count of heads: 8 accumulators each. With 4
-# heads, two rows in 8 shared accumulators beat one row in 8 split ones by
-# 8-12% for int4 (the q loads serve two rows; measured on a 2-core AVX2
-# machine); 4 rows would need 16 and spill.
+# heads, two rows in 8 shared accumulators beat one row in 8 split ones for
+# int4 (the q loads serve two rows); 4 rows would need 16 and spill.
 SCORE_STEPS = {4: (2, True), 2: (2, False), 1: (4, False)}
 
 

@@ -117,7 +117,7 @@ class Case:
         return f"stream {short}, {self.splits} splits"
 
 
-# Shapes of the targets (Llama-3-8B-like layer: 32 query / 8 KV heads).
+# Shapes of the targets (targets.py; a Llama-3-8B-like layer: 32 query / 8 KV heads).
 DECODE_MAIN = Shape("decode", 32, 32768, 32, 8, 128)
 DECODE_D96 = Shape("decode", 32, 32768, 32, 8, 96)
 DECODE_SHORT = Shape("decode", 32, 8192, 32, 8, 128)

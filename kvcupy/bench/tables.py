@@ -59,7 +59,7 @@ def tables(report: dict) -> RichGroup:
             table.caption = "; ".join(missing)
         parts.append(table)
     if report["targets"]:
-        targets = Table(title="targets (issue 8, H200)", title_justify="left", show_edge=False,
+        targets = Table(title="targets (H200)", title_justify="left", show_edge=False,
                         pad_edge=False)
         for column in ("target", "measured", "bound", "met"):
             targets.add_column(column, justify="left" if column == "target" else "right")

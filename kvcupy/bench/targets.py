@@ -35,7 +35,7 @@ TARGETS = (
            "int4_per_token_head", "tb_per_s", 3.2),
     Target("decode int4, 8 x 32768, d = 128: >= 3.2 TB/s", "decode", DECODE_FEW,
            "int4_per_token_head", "tb_per_s", 3.2),
-    # The prefill issue's (causal FLOP counted over the triangle only).
+    # Causal prefill: FLOP counted over the triangle only.
     *(Target(f"prefill {SHORT_NAMES[kv]}, 4 x 8192 causal, d = 128: >= 300 TFLOP/s", "prefill", PREFILL_MAIN,
              kv, "tflop_per_s", 300.0) for kv in ("int4_per_token_head", "int8_per_token_head", "fp8_per_token_head")),
     Target("prefill int4, 64 x 128 causal, d = 128: >= 50% of SDPA bf16", "prefill", PREFILL_SHORT,

@@ -7,9 +7,8 @@ new dependency), the parameters packed into one buffer, for two reasons CuPy's
   launch attributes; these launches set
   CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION.
 - **Host time** for kernels of many parameters: CuPy converts each argument on
-  its own. An empty kernel of 56 parameters in the attention kernel's mix took
-  32 us to launch through CuPy on the lent H200's host, 16 us packed here
-  (tools/host_primitives.py).
+  its own; packed in one buffer, a launch with as many parameters as the
+  attention kernel's costs the host about half as much (tools/host_primitives.py).
 
 A kernel launched as a dependent must execute `griddepcontrol.wait`
 (attention.cuh, `wait_for_prerequisites`) before it reads anything the kernel
@@ -18,13 +17,11 @@ ahead of it writes; the kernel ahead lets it start early with
 attribute both instructions are no-ops, so one build serves both kinds of
 launch. The attention and merge kernels let their dependents in only after
 their own wait: let in at their start, the next call's attention grid and its
-merge both waited at once, their blocks holding slots the running grid needed
-(4 x 4096 decode 30% slower, H200).
+merge would both wait at once, their blocks holding slots the running grid needs.
 
 What a dependent launch saves: the gap between the last block of one kernel
-and the first of the next (about 5 us between decode's attention and its merge
-at 32 x 8192 on an H200 with nothing else queued, tools/decode_trace.py; 1-2 us
-a call back to back, tools/decode_variants.py), out of calls of 25-330 us.
+and the first of the next, a few microseconds a call, which matters beside a
+short decode step.
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ class LaunchConfig(ctypes.Structure):
 def launch_attribute(attribute_id: int, payload: bytes) -> LaunchAttribute:
     """A CUlaunchAttribute whose value union starts with `payload`, copied byte for
     byte: assigned to the char array, bytes stop at the first zero byte (a cluster
-    dimension (4, 1, 1) reached the driver as (4, 0, 0), H100, 2026-12-05)."""
+    dimension (4, 1, 1) would reach the driver as (4, 0, 0))."""
     attribute = LaunchAttribute()
     attribute.id = attribute_id
     ctypes.memmove(ctypes.addressof(attribute) + LaunchAttribute.value.offset, payload, len(payload))

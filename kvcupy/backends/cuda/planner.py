@@ -87,10 +87,8 @@ def _row_copies_fit(cache, kv: int, heads: int, stored_row: int, head_pad: int, 
     heads a block (whole threads a token), the block's heads side by side in a row
     and 16-byte aligned rows. A token outside its sequence is zero-filled, not
     copied, so stale rows (which may hold NaN) never enter, as they would under
-    bulk copies of whole pages. Measured (H200, tools/decode_variants.py, fp16
-    32 x 32768, 4 heads a block, two alternating runs): d = 96 0.785 / 0.788 ms
-    against 0.859 / 0.868 with per-thread copies, d = 128 1.037 / 1.060 against
-    1.048 / 1.067, 32 x 8192 0.280 / 0.280 against 0.283 / 0.282."""
+    bulk copies of whole pages. Whole rows beat per-thread copies, most at
+    d = 96 (tools/decode_variants.py compares the two)."""
     if capability < 90 or kv not in (KV_F16, KV_BF16) or cache.head_size != head_pad or heads % 4:
         return False
     for array in (cache.key_cache, cache.value_cache):
@@ -124,8 +122,8 @@ def _settle_staging(kernel: Kernel, bulk_fits: bool = True) -> Kernel:
     """Row copies go out a tile late (attention.cuh, which asserts
     ROW_STAGING_MIN_STAGES stages for them unless they go out before a tile, as
     _long_tile's two-block build has them); with fewer, bulk copies where they fit
-    (int8 / fp8 at d = 96, two stages, H200, alternating runs: rows issued early
-    measured 3.65-3.66 / 3.31-3.33 TB/s against 3.47-3.50 / 3.51-3.53), per-thread copies otherwise."""
+    (rows issued before a tile would gain for int8 but lose as much for fp8),
+    per-thread copies otherwise."""
     if kernel.staging == STAGE_ROWS and kernel.stages < ROW_STAGING_MIN_STAGES:
         return replace(kernel, staging=STAGE_BULK if bulk_fits else STAGE_THREADS)
     return kernel

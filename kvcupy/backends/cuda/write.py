@@ -35,30 +35,15 @@ if TYPE_CHECKING:
 
 # Tuning knobs, each a -D constant (so part of a specialisation's key): the
 # values one lane holds (rotation.cuh, RotationLayout: more means fewer
-# shuffle stages but more registers), float32 -> float64 by moving bits
-# instead of the hardware conversion, the write kernel's block size, and the
-# kernels' __launch_bounds__ minimum blocks per SM. Measured on an H200
-# (`kvcupy bench --backend cuda --groups write,rotate`, 32768 tokens x 8 KV
-# heads at d = 128, bf16 in; 2^20 vectors for rotate), fraction of copy
-# bandwidth: a write into an int4 cache (blockdiag rotation, whose float64
-# transform's shuffles dominate) with 16 / 32 values a lane: 0.26 / 0.28;
-# unrotated int8 and fp8 (the per-vector absmax's shuffles) 0.51 / 0.59 and
-# 0.49 / 0.57; an auto write (a plain conversion) with 16 / 8: 0.70 / 0.83.
-# rotate at d = 96 with 32 / 64: 0.50 / 0.82, other head sizes the same
-# (their layouts cap at 32 columns). Moving bits lost 7-14% on the write path
-# (an older kernel). The kron mix's extra registers spill at 32 (write) and 64
-# (rotate) values a lane: it keeps the smaller counts, as do rotations of long heads.
-# With the exact int32 path (rotation.cuh, exact_grid), tunings alternated in
-# one process on one H200: the write kernel at 4 blocks (128 registers, no
-# spills) against 2, int4 0.385 / 0.345; 5 blocks spill (0.362). 16 and 8
-# values a lane (a version that traded lane bits through shared memory):
-# int4 0.31 / 0.24, rotate d = 128 0.71 / 0.62. rotate at 4
-# blocks from d = 128 (0.80 / 0.75 at d = 128 / 256 against 0.78 / 0.72 at
-# 1), but fewer below (d = 64: 0.846 at 1 against 0.788 at 4). Since rotate
-# holds its signs as word masks (rotate.cu, Signs), d = 64 needs 181 registers
-# uncapped (2 blocks a multiprocessor: 0.78 of copy) and 164 at 3 blocks (0.875,
-# as before the masks; the same run: d = 256 0.784 / 0.789 against 0.775 / 0.784
-# without the masks, d = 96 and 128 unchanged).
+# shuffle stages but more registers), the write kernel's block size, and the
+# kernels' __launch_bounds__ minimum blocks per SM. Quantized writes are bound
+# by shuffles (the rotation's float64 transform, the per-vector absmax) and take
+# the most values a lane; an auto write without rotation, a conversion and a
+# copy, takes few. The kron mix's extra registers spill at 32 (write) and 64
+# (rotate) values a lane: it keeps the smaller counts, as do rotations of long
+# heads. Minimum blocks: 4 keep the write kernel within 128 registers without
+# spills (5 spill); rotate takes 4 from d = 128 up, and 3 below, where its
+# sign masks (rotate.cu, Signs) need more registers than 4 blocks leave.
 WRITE_LANE_VALUES = 32           # quantized caches
 WRITE_MIN_BLOCKS = 4
 WRITE_KRON_LANE_VALUES = 16
