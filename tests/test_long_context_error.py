@@ -73,11 +73,12 @@ def long_cache(kv_dtype: str, head_size: int, context: int):
     return cache, block_table
 
 
-def query_rows(head_size: int, query_tokens: int, attention: str) -> np.ndarray:
-    """Queries exact in every query dtype (bfloat16 values within float16's normal range)."""
+def query_rows(head_size: int, query_tokens: int, factor: float) -> np.ndarray:
+    """Queries N(0, 1) x factor, exact in every query dtype (bfloat16 values within
+    float16's normal range)."""
     rng = np.random.default_rng(head_size)
     query = rng.standard_normal((SEQUENCES * query_tokens, KV_HEADS * GROUP, head_size), dtype=np.float32)
-    query = np.where(np.abs(query) < 2.0 ** -6, np.float32(2.0 ** -6), query) * np.float32(QUERY_FACTORS[attention])
+    query = np.where(np.abs(query) < 2.0 ** -6, np.float32(2.0 ** -6), query) * np.float32(factor)
     return query.astype(MODEL_DTYPES["bfloat16"]).astype(np.float32)
 
 
@@ -89,14 +90,14 @@ def batch_args(context: int, query_tokens: int) -> dict:
 @functools.lru_cache(maxsize=None)
 def oracle(kv_dtype: str, head_size: int, context: int, attention: str, query_tokens: int) -> np.ndarray:
     cache, block_table = long_cache(kv_dtype, head_size, context)
-    query = query_rows(head_size, query_tokens, attention)
+    query = query_rows(head_size, query_tokens, QUERY_FACTORS[attention])
     return reference.paged_attention(query, cache, block_table=block_table, **batch_args(context, query_tokens))
 
 
 def attend(backend: str, kv_dtype: str, head_size: int, context: int, attention: str, query_tokens: int,
            query_dtype: np.dtype) -> np.ndarray:
     cache, block_table = long_cache(kv_dtype, head_size, context)
-    query = query_rows(head_size, query_tokens, attention).astype(query_dtype)
+    query = query_rows(head_size, query_tokens, QUERY_FACTORS[attention]).astype(query_dtype)
     args = dict(block_table=block_table, **batch_args(context, query_tokens))
     if backend == "cpu":
         return np.asarray(kc.paged_attention(query, cache, **args)).astype(np.float64)
