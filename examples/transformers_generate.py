@@ -1,15 +1,24 @@
-"""Generate with a transformers model over kvcupy's paged cache; print speed and KV bytes.
+"""Generate with a transformers model over several KV caches in one process: speed,
+peak GPU memory and KV bytes per token, kvcupy's paged caches beside transformers' own.
 
-    python examples/transformers_generate.py --model random:llama-3-8b --layers 4 --kv-dtype int4_per_token_head
-    python examples/transformers_generate.py --model /path/to/checkpoint --device cuda --dtype bfloat16 --json
+    python examples/transformers_generate.py --model random:llama-3-8b --layers 4 \
+        --caches dynamic,int4_per_token_head,int8_per_token_head,fp8_per_token_head,hqq:4,quanto:4,fp8
+    python examples/transformers_generate.py --model /path/to/checkpoint --device cuda --batch 16 \
+        --prompt-len 8192 --new-tokens 256 --json
 
 --model is a checkpoint (a local folder, or a hub id where the hub is reachable)
 or random:NAME, a model of that family's real geometry with random weights
-(--layers shortens it). --kv-dtype is one of kvcupy's KV dtypes, or "dynamic":
-transformers' own DynamicCache and attention (sdpa, or eager where the model has
-none), the baseline. Prompts are random token ids, left-padded when --ragged.
-Prefill and decode are timed apart: decode tokens/s is (generate with N new
-tokens - generate with 1) over the N - 1 later tokens of every row.
+(--layers shortens it). --caches lists the caches to run, in turn on the same
+model and prompts: one of kvcupy's KV dtypes (PagedCache, attn_implementation
+"kvcupy"); "dynamic" (transformers' DynamicCache with sdpa, or eager where the
+model has none: the baseline); "hqq:N", "quanto:N" (transformers'
+QuantizedCache, N bits, with those packages installed) and "fp8" (its
+per-tensor fp8 QuantizedCache). A cache whose backend cannot run here is
+reported with the reason, not fatal. Prompts are random token ids,
+left-padded when --ragged. Prefill and decode are timed apart: decode tokens/s
+is (generate with N new tokens - generate with 1) over the N - 1 later tokens
+of every row. Peak memory (CUDA) is the allocator's peak during the longest
+generate, above what the model held before it.
 """
 
 from __future__ import annotations
@@ -79,20 +88,40 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(args) -> dict:
+def cache_maker(kind: str, model, config, max_tokens: int, block_size: int):
+    """(a function making a fresh cache of `kind`, the attention implementation it takes)."""
+    own = "eager" if isinstance(config, NO_SDPA) else "sdpa"
+    if kind in kc.KV_DTYPES:
+        return (lambda: PagedCache(model, kind, max_tokens=max_tokens, block_size=block_size)), "kvcupy"
+    if kind == "dynamic":
+        return (lambda: transformers.DynamicCache(config=config)), own
+    backend, _, bits = kind.partition(":")
+    if backend in ("hqq", "quanto", "fp8"):
+        options = {"nbits": int(bits)} if bits else {}
+        return (lambda: transformers.QuantizedCache(backend, config, **options)), own
+    raise ValueError(f"--caches: {kind!r} is not a KV dtype, dynamic, hqq:N, quanto:N or fp8")
+
+
+def kv_bytes_per_token(kind: str, make_cache, config, dtype: torch.dtype) -> int | None:
+    """What a cache holds a token, over every layer: kvcupy's format, or the model dtype's
+    rows for DynamicCache; None for QuantizedCache (groups, scales and its full-precision
+    residual tokens make it depend on the context)."""
+    if kind in kc.KV_DTYPES:
+        return make_cache().bytes_per_token
+    if kind != "dynamic":
+        return None
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers * 2 * num_kv_heads * head_size * torch.finfo(dtype).bits // 8
+
+
+def run(args, model, kind: str) -> dict:
     dtype = getattr(torch, args.dtype)
-    model = load_model(args.model, args.layers, dtype, args.device)
     config = model.config.get_text_config(decoder=True)
     input_ids, attention_mask = prompts(args.batch, args.prompt_len, args.ragged, config.vocab_size, args.device)
     max_tokens = args.batch * (args.prompt_len + args.new_tokens + 16)
-
-    def cache():
-        if args.kv_dtype == "dynamic":
-            return transformers.DynamicCache(config=config)
-        return PagedCache(model, args.kv_dtype, max_tokens=max_tokens, block_size=args.block_size)
-
-    model.set_attn_implementation("kvcupy" if args.kv_dtype != "dynamic" else
-                                  "eager" if isinstance(config, NO_SDPA) else "sdpa")
+    cache, attention = cache_maker(kind, model, config, max_tokens, args.block_size)
+    model.set_attn_implementation(attention)
 
     def timed(new_tokens: int) -> tuple[float, torch.Tensor]:
         past = cache()
@@ -104,25 +133,40 @@ def run(args) -> dict:
         synchronize(args.device)
         return time.perf_counter() - start, out
 
-    timed(2)   # warm-up: kernel compiles, allocator
+    record = {"model": args.model, "layers": config.num_hidden_layers, "cache": kind, "device": args.device,
+              "dtype": args.dtype, "batch": args.batch, "prompt_len": args.prompt_len,
+              "new_tokens": args.new_tokens, "kvcupy": kc.__version__, "transformers": transformers.__version__}
+    try:
+        timed(2)   # warm-up: kernel compiles, allocator
+    except Exception as error:   # e.g. a QuantizedCache backend whose package is not installed
+        return {**record, "error": f"{type(error).__name__}: {error}"[:300]}
     prefill = min(timed(1)[0] for _ in range(args.repeat))
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        synchronize(args.device)
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     total, out = min((timed(args.new_tokens) for _ in range(args.repeat)), key=lambda r: r[0])
     decode = max(total - prefill, 1e-9)
-    if args.kv_dtype == "dynamic":
-        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        kv_bytes = config.num_hidden_layers * 2 * num_kv_heads * head_size * torch.finfo(dtype).bits // 8
-    else:
-        kv_bytes = cache().bytes_per_token
-    real_prompt_tokens = int(attention_mask.sum())
-    return {
-        "model": args.model, "layers": config.num_hidden_layers, "kv_dtype": args.kv_dtype,
-        "device": args.device, "dtype": args.dtype, "batch": args.batch, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "kvcupy": kc.__version__, "transformers": transformers.__version__,
-        "prefill_s": prefill, "prefill_tokens_per_s": real_prompt_tokens / prefill,
-        "decode_tokens_per_s": args.batch * (args.new_tokens - 1) / decode,
-        "kv_bytes_per_token": kv_bytes, "last_tokens": out[0, -8:].tolist(),
-    }
+    return {**record, "prefill_s": prefill, "prefill_tokens_per_s": int(attention_mask.sum()) / prefill,
+            "decode_tokens_per_s": args.batch * (args.new_tokens - 1) / decode,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() - held if cuda else None,
+            "kv_bytes_per_token": kv_bytes_per_token(kind, cache, config, dtype),
+            "last_tokens": out[0, -8:].tolist()}
+
+
+def table(records: list) -> str:
+    lines = ["| cache | prefill tokens/s | decode tokens/s | peak memory (MiB) | KV bytes/token |",
+             "|---|---|---|---|---|"]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['cache']} | {r['error']} | | | |")
+            continue
+        peak = "-" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2 ** 20:.0f}"
+        kv = "-" if r["kv_bytes_per_token"] is None else str(r["kv_bytes_per_token"])
+        lines.append(f"| {r['cache']} | {r['prefill_tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | "
+                     f"{peak} | {kv} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -130,7 +174,8 @@ def main() -> None:
     parser.add_argument("--model", default="random:llama-3-8b",
                         help=f"a checkpoint, or random:NAME with NAME in {sorted(PRESETS)}")
     parser.add_argument("--layers", type=int, default=None, help="random models: this many layers")
-    parser.add_argument("--kv-dtype", default="int4_per_token_head", choices=[*kc.KV_DTYPES, "dynamic"])
+    parser.add_argument("--caches", default="dynamic,int4_per_token_head,int8_per_token_head,fp8_per_token_head",
+                        help="comma-separated: kvcupy KV dtypes, dynamic, hqq:N, quanto:N, fp8")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
                         help="model dtype (default: bfloat16 on a GPU, float32 on the CPU)")
@@ -143,14 +188,14 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    result = run(args)
+    model = load_model(args.model, args.layers, getattr(torch, args.dtype), args.device)
+    records = [run(args, model, kind.strip()) for kind in args.caches.split(",") if kind.strip()]
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(records, indent=1))
         return
-    print(f"{result['model']} ({result['layers']} layers, {args.dtype}) on {args.device}, "
-          f"KV {args.kv_dtype}: {result['kv_bytes_per_token']} bytes/token")
-    print(f"prefill {result['prefill_tokens_per_s']:.1f} tokens/s ({result['prefill_s'] * 1e3:.1f} ms), "
-          f"decode {result['decode_tokens_per_s']:.1f} tokens/s (batch {args.batch})")
+    print(f"{args.model} ({records[0]['layers']} layers, {args.dtype}) on {args.device}, batch {args.batch}, "
+          f"prompts of {args.prompt_len}, {args.new_tokens} new tokens")
+    print(table(records))
 
 
 if __name__ == "__main__":

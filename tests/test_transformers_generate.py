@@ -335,3 +335,29 @@ def test_the_readme_recipe_runs_as_written():
     with torch.no_grad():
         exec(compile(recipe, "README.md (transformers recipe)", "exec"), namespace)
     assert namespace["out"].shape[0] == len(PROMPT_LENS) and namespace["out"].shape[1] > input_ids.shape[1]
+
+
+def test_the_example_bench_runs_every_cache_kind_in_one_process():
+    """examples/transformers_generate.py: kvcupy's caches beside DynamicCache and
+    transformers' fp8 QuantizedCache on one model; a backend that is not installed
+    (quanto here) is reported, not fatal."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / "transformers_generate.py"
+    spec = importlib.util.spec_from_file_location("transformers_generate", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(model="tiny llama", dtype="float32", device="cpu", batch=2, prompt_len=8,
+                              new_tokens=3, block_size=16, ragged=True, repeat=1)
+    model = build_model("llama3")
+    records = [bench.run(args, model, kind) for kind in ("dynamic", "int4_per_token_head", "fp8")]
+    assert [r["cache"] for r in records] == ["dynamic", "int4_per_token_head", "fp8"]
+    for record in records:
+        assert "error" not in record, record
+        assert record["decode_tokens_per_s"] > 0 and record["prefill_tokens_per_s"] > 0
+    dense, int4 = records[0]["kv_bytes_per_token"], records[1]["kv_bytes_per_token"]
+    assert int4 < 0.3 * dense, (int4, dense)
+    missing = bench.run(args, model, "quanto:4") if importlib.util.find_spec("optimum") is None else None
+    assert missing is None or "error" in missing
+    assert "| int4_per_token_head |" in bench.table(records)
