@@ -24,7 +24,7 @@ ROUNDTRIP_BOUND = 1e-6
 IMPL_BOUND = 1e-5
 
 # The CUDA backend's products take the probabilities rounded to fp16 (relative
-# error 2^-11 each, ~4.9e-4; tests/test_gpu_attention.py derives the bound),
+# error 2^-11 each, ~4.9e-4; tests/gpu/test_attention.py derives the bound),
 # so its implementation error is held to 2e-3 instead.
 GPU_IMPL_BOUND = 2e-3
 

@@ -17,7 +17,7 @@
 // seen so far, so that the fp16 operand stays in [0, 1]; auto caches' times
 // 2^10). The query enters as a two-term fp16 split (q = hi + lo, ~22 bits), so
 // each score is two mmas; the wgmma build (below) takes one term
-// (tests/test_gpu_attention.py: the bound). Auto caches (fp16 / bf16 rows) in
+// (tests/gpu/test_attention.py: the bound). Auto caches (fp16 / bf16 rows) in
 // the mma.sync build skip the decoding: warps read the staged rows directly
 // (bf16: P enters as a two-term split too, bf16 keeping 8 bits); the wgmma
 // builds decode them like codes, into fp16 rows with a power-of-two scale each.
@@ -1279,7 +1279,7 @@ struct Prefill {
       };
       // 16-bit outputs take the rows as one fp16 term: at most 2^-11 relative a
       // value before the rotation mixes them, as much as an fp16 output's own
-      // rounding and an eighth of a bf16 one's (tests/test_gpu_attention.py:
+      // rounding and an eighth of a bf16 one's (tests/gpu/test_attention.py:
       // the bound); fp32 outputs keep two.
       // The float32 calls' build keeps one copy of the products, the low
       // terms' for a float32 output (a 16-bit one would take the high alone).

@@ -1,5 +1,5 @@
 // wgmma_check: the two warpgroup products of prefill.cuh (wgmma.cuh) on small
-// tiles, for tests/test_gpu_wgmma.py to compare with NumPy. One warpgroup
+// tiles, for tests/gpu/test_wgmma.py to compare with NumPy. One warpgroup
 // (128 threads), sm_90a builds only. `swap` exchanges a descriptor's two
 // strides: the test shows that the product then goes wrong, i.e. that it
 // pins which stride is which.

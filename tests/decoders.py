@@ -1,4 +1,5 @@
-"""What the decoder tests (test_decoder_torch.py, test_decoder_jax.py) demand of a run.
+"""What the decoder tests (tests/cpu/test_decoder_torch.py, test_decoder_jax.py)
+demand of a run.
 
 Each run generates greedily three times: with the framework's own attention
 over a float16 cache (the reference), then with kvcupy's PagedKVCache fed the
@@ -11,7 +12,7 @@ seeds (decoding.random_weights, decoding.prompts) were picked so that the
 smallest gap between a step's best and second-best logit is 3% of that
 step's logit spread (`decision_margin`); the auto cache differs from the
 reference by ~1e-5 of the logits on the CPU and by at most the CUDA kernel's
-2e-3 attention bound (tests/test_gpu_attention.py) on a GPU, so its tokens must
+2e-3 attention bound (tests/gpu/test_attention.py) on a GPU, so its tokens must
 be the reference's.
 
 Quantized caches: the logit error is what their rounding predicts (int8:

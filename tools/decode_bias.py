@@ -5,7 +5,7 @@ for one or several kernel source folders on the same cache and query.
         [--kv-dtypes int4_per_token_head,int8_per_token_head] [--head-sizes 128]
         [--factors 1,0.05] [--src NAME=DIR ...] [--json FILE]
 
-The case is tests/test_long_context_error.py's: 2 sequences of `context` tokens,
+The case is tests/gpu/test_long_context_error.py's: 2 sequences of `context` tokens,
 2 KV heads, 4 query heads a KV head, block size 16, bfloat16 keys (4 outlier
 channels x 8) and values N(0, 1); float32 queries N(0, 1) times each factor
 (1: moderately peaked; 0.05: the softmax nearly uniform and the output small,
@@ -30,7 +30,7 @@ import numpy as np
 
 import kvcupy as kc
 from kvcupy import jit, reference
-from tests.test_long_context_error import batch_args, channel_errors, long_cache, query_rows
+from tests.gpu.test_long_context_error import batch_args, channel_errors, long_cache, query_rows
 
 
 def attend(query: np.ndarray, cache, block_table, context: int, device: str) -> np.ndarray:

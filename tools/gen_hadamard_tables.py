@@ -9,7 +9,7 @@ character (Legendre symbol) and Q[i, j] = chi(j - i) the Jacobsthal matrix:
   2 (q + 1) (q = 13 -> 28).
 
 Run `python tools/gen_hadamard_tables.py > kvcupy/_hadamard_tables.py`;
-tests/test_rotation.py regenerates the file and compares it with the one
+tests/cpu/test_rotation.py regenerates the file and compares it with the one
 checked in.
 """
 

@@ -21,7 +21,7 @@ status=0
 nvidia-smi -L | tee "$out/gpu.txt"
 
 if [ "$quick" = "--quick" ]; then
-    python3 -m pytest -q -m gpu tests/test_long_context_error.py >"$out/long-context.log" 2>&1 || status=1
+    python3 -m pytest -q -m gpu tests/gpu/test_long_context_error.py >"$out/long-context.log" 2>&1 || status=1
     tail -3 "$out/long-context.log"
     python3 -m cli bench --backend cuda --groups decode --json >"$out/bench.json" 2>"$out/bench.log" || status=1
     tail -3 "$out/bench.log"
@@ -34,7 +34,7 @@ tail -5 "$out/tests.log"
 
 if command -v compute-sanitizer >/dev/null; then
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
-        "tests/test_gpu_attention.py" -k "shuffled or sanitizer" >"$out/memcheck.log" 2>&1 || status=1
+        "tests/gpu/test_attention.py" -k "shuffled or sanitizer" >"$out/memcheck.log" 2>&1 || status=1
     tail -3 "$out/memcheck.log"
 else
     echo "compute-sanitizer not found: memcheck skipped" | tee "$out/memcheck.log"

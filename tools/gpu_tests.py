@@ -3,16 +3,18 @@
     PYTHONPATH=. python3 tools/gpu_tests.py [--parts 16] [--only K-L] [--logs DIR] [--timeout S] [-- PYTEST_ARGS...]
 
 Part k runs `pytest --shard k/N PYTEST_ARGS` (tests/conftest.py; PYTEST_ARGS
-default to `-m gpu -q tests`), so the parts compile the builds their tests take
-side by side instead of one process compiling them all in turn; the JIT's file
-locks keep two parts from compiling one build twice. Each part's output goes to
-DIR/part<k>.log. Prints each part's summary line and the totals (a part stopped
-by --timeout: the outcomes its log shows so far, from pytest's progress
-characters or, with -v, its result words); the exit status is 1 where a part
-failed, errored or ran out of time, else 0. --only K-L starts parts K to L
-alone (of --parts N, from 0): a suite too long for one job's time limit runs
-as several jobs with the same N, e.g. --parts 30 --only 0-14, then --only
-15-29, whose parts together cover the selection once.
+default to `-m gpu -q tests`: the GPU-marked cases of every folder, tests/gpu/'s
+and the few elsewhere, e.g. the decoders', the bench's and the JIT's), so the
+parts compile the builds their tests take side by side instead of one process
+compiling them all in turn; the JIT's file locks keep two parts from compiling
+one build twice. Each part's output goes to DIR/part<k>.log. Prints each
+part's summary line and the totals (a part stopped by --timeout: the outcomes
+its log shows so far, from pytest's progress characters or, with -v, its
+result words); the exit status is 1 where a part failed, errored or ran out of
+time, else 0. --only K-L starts parts K to L alone (of --parts N, from 0): a
+suite too long for one job's time limit runs as several jobs with the same N,
+e.g. --parts 30 --only 0-14, then --only 15-29, whose parts together cover the
+selection once.
 """
 
 from __future__ import annotations

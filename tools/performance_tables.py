@@ -13,7 +13,7 @@ the script replaces what lies between them and leaves the prose alone.
     python tools/performance_tables.py --write    # rewrite the tables in the documents
     python tools/performance_tables.py --check    # exit 1 when a document's table differs
 
-tests/test_performance_tables.py renders the tables again and checks that the
+tests/cli/test_performance_tables.py renders the tables again and checks that the
 documents hold them, so the documents cannot drift from the report.
 """
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from ... import formats
 
-# attention.cuh's KV_* codes (tests/test_kernel_constants.py holds the two sides equal).
+# attention.cuh's KV_* codes (tests/jit/test_kernel_constants.py holds the two sides equal).
 # The quantized codes and fp16 rows are the formats table's kernel ids (the
 # write kernels' KVC_KV_DTYPE); bf16 rows, which the write path takes as auto, follow.
 KV_INT4, KV_INT8, KV_FP8, KV_F16 = (formats.KV_DTYPES[name].kernel_id for name in

@@ -26,7 +26,7 @@ from kvcupy.backends import cpu_kernels
 from kvcupy.formats import QUANTIZED_KV_DTYPES
 
 runner = CliRunner()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # One KV dtype, one call of each kind: the bench's plumbing in about a second.
 TINY_BENCH = ["bench", "--quick", "--kv-dtype", "int8_per_token_head", "--repeats", "1",
               "--prefill-repeats", "1", "--rounds", "1", "--warmup", "0"]

@@ -17,7 +17,7 @@ import kvcupy
 from kvcupy import jit
 from kvcupy.backends import cpu_kernels
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(kvcupy.__file__).resolve().parent
 
 

@@ -56,7 +56,7 @@ import pytest
 import kvcupy as kc
 from kvcupy import backends, reference
 
-from .helpers import paged_batch
+from ..helpers import paged_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +66,7 @@ if not backends.status("cuda").usable:
 
 import cupy  # noqa: E402  (only where the backend is usable)
 
-from .device_arrays import DeviceBf16, device_query, device_view, from_device  # noqa: E402
+from ..device_arrays import DeviceBf16, device_query, device_view, from_device  # noqa: E402
 
 from kvcupy.backends.cuda import kernels, planner  # noqa: E402
 from kvcupy.backends.cuda.kernels import PrefillKernel  # noqa: E402

@@ -21,7 +21,7 @@ import pytest
 import kvcupy as kc
 from kvcupy import formats, reference
 
-from .helpers import KV_DTYPES, paged_batch
+from ..helpers import KV_DTYPES, paged_batch
 from .test_cpu_backend import ATTENTION_RTOL, fresh_cache, oracle_copy, worst_row_error
 
 NAN_SCALE_BITS = 0x7FC00000

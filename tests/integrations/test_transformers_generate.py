@@ -51,7 +51,7 @@ LOGITS_BOUND = {"auto": 1e-5, "int8_per_token_head": 0.04, "fp8_per_token_head":
                 "int4_per_token_head": 0.5}
 # On a GPU the attention kernels' products take fp16 operands (a float32 query as
 # two fp16 terms, float32 cache rows and probabilities rounded): attention within
-# 2e-3 of exact (tests/test_gpu_attention.py), which the logits inherit. There a
+# 2e-3 of exact (tests/gpu/test_attention.py), which the logits inherit. There a
 # greedy token may flip where the reference's top two logits lie closer than that.
 AUTO_BOUND_GPU = 5e-3
 QUANTIZED = ("int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
@@ -327,7 +327,7 @@ def test_the_readme_recipe_runs_as_written():
     """README.md's transformers snippet, with a model and inputs of these tests."""
     import re
     from pathlib import Path
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     recipe = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S)
                   if block.startswith("from kvcupy.integrations.transformers"))
     input_ids, attention_mask = padded_prompts()
@@ -344,7 +344,7 @@ def test_the_example_bench_runs_every_cache_kind_in_one_process():
     import argparse
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "examples" / "transformers_generate.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "transformers_generate.py"
     spec = importlib.util.spec_from_file_location("transformers_generate", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -9,7 +9,7 @@ import pytest
 
 from kvcupy import backends
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 SECTION = README.split("## Using kvcupy from torch / JAX\n", 1)[1].split("\n## ", 1)[0]
 SNIPPETS = re.findall(r"```python\n(.*?)```", SECTION, re.S)
 

@@ -3,7 +3,7 @@ as it does with torch's own attention (tests/decoders.py: what is demanded)."""
 
 import pytest
 
-from .decoders import DEVICES, KV_DTYPES, check_run, require_kvcupy_device
+from ..decoders import DEVICES, KV_DTYPES, check_run, require_kvcupy_device
 
 torch = pytest.importorskip("torch")
 

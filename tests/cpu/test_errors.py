@@ -5,7 +5,7 @@ import pytest
 
 import kvcupy as kc
 
-from .helpers import paged_batch, snapshot
+from ..helpers import paged_batch, snapshot
 
 HEAD_SIZE, BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS = 64, 16, 2, 4
 

@@ -18,7 +18,7 @@ if not backends.status("cuda").usable:
 
 import cupy  # noqa: E402
 
-from .test_gpu_attention import ATTENTION_BOUND  # noqa: E402
+from .test_attention import ATTENTION_BOUND  # noqa: E402
 
 
 def host_copy(cache):

@@ -21,7 +21,7 @@ from kvcupy import formats
 from kvcupy.backends import cpu, cpu_kernels, cpu_simd
 from kvcupy.rotation import kron_factors
 
-from .helpers import BLOCK_SIZES, HEAD_SIZES, KV_DTYPES, paged_batch, relative_error
+from ..helpers import BLOCK_SIZES, HEAD_SIZES, KV_DTYPES, paged_batch, relative_error
 
 INPUT_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 ROTATIONS = ("blockdiag", "vllm", "kron", "none")

@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import parse_shard
+from ..conftest import parse_shard
 
-SAMPLE = Path(__file__).with_name("test_rotation.py")
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "tests" / "cpu" / "test_rotation.py"
 
 
 def collected(*options) -> list[str]:
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
                              *options, str(SAMPLE)], capture_output=True, text=True,
-                            cwd=SAMPLE.parent.parent)
+                            cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     return [line for line in result.stdout.splitlines() if "::" in line]
 
@@ -35,9 +36,9 @@ def test_bad_shards_are_refused(text):
 
 
 def run_tool(tmp_path, *arguments) -> subprocess.CompletedProcess:
-    tool = SAMPLE.parent.parent / "tools" / "gpu_tests.py"
+    tool = ROOT / "tools" / "gpu_tests.py"
     return subprocess.run([sys.executable, str(tool), "--logs", str(tmp_path), *arguments], capture_output=True,
-                          text=True, cwd=SAMPLE.parent.parent)
+                          text=True, cwd=ROOT)
 
 
 def test_gpu_tests_tool_runs_the_parts_and_sums_them(tmp_path):
@@ -77,7 +78,7 @@ def test_bad_part_ranges_are_refused(text):
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("gpu_tests", SAMPLE.parent.parent / "tools" / "gpu_tests.py")
+    spec = importlib.util.spec_from_file_location("gpu_tests", ROOT / "tools" / "gpu_tests.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     return tool

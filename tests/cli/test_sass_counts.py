@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "sass_counts.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "sass_counts.py"
 
 # The shape of cuobjdump's listing (addresses, predicates, encodings), two kernels.
 LISTING = """

@@ -101,7 +101,7 @@ def attend(backend: str, kv_dtype: str, head_size: int, context: int, attention:
     args = dict(block_table=block_table, **batch_args(context, query_tokens))
     if backend == "cpu":
         return np.asarray(kc.paged_attention(query, cache, **args)).astype(np.float64)
-    from .device_arrays import device_query, device_view, from_device
+    from ..device_arrays import device_query, device_view, from_device
     return from_device(kc.paged_attention(device_query(query), device_view(cache), **args), query_dtype)
 
 

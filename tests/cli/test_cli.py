@@ -199,7 +199,7 @@ def test_info_names_the_extra_nvrtc_options(monkeypatch):
     assert run_json(["info"])[1]["versions"]["nvrtc extra options"] == "-lineinfo -DKVC_X=1"
 
 def test_python_dash_m_cli_is_the_same_command():
-    repo_root = Path(__file__).resolve().parents[1]
+    repo_root = Path(__file__).resolve().parents[2]
     completed = subprocess.run([sys.executable, "-m", "cli", "info", "--json"], cwd=repo_root,
                                capture_output=True, text=True, check=True)
     assert json.loads(completed.stdout)["versions"]["kvcupy"]
@@ -207,7 +207,7 @@ def test_python_dash_m_cli_is_the_same_command():
 
 def test_cli_modules_import_each_other_relatively():
     """The wheel installs cli/ as kvcupy.cli: an absolute `cli` import would fail there."""
-    for path in (Path(__file__).resolve().parents[1] / "cli").glob("*.py"):
+    for path in (Path(__file__).resolve().parents[2] / "cli").glob("*.py"):
         assert not re.search(r"^\s*(from|import) cli\b", path.read_text(), re.M), path.name
 
 

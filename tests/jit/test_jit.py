@@ -29,7 +29,7 @@ except Exception as error:   # CuPy is there but libnvrtc is not
 
 from kvcupy import jit  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARCH = "sm_90"
 ELF_MAGIC = b"\x7fELF"   # a cubin is an ELF file
 

@@ -17,7 +17,7 @@ import kvcupy as kc
 from kvcupy import reference
 from kvcupy.formats import kv_dtype_info
 
-from .helpers import relative_error
+from ..helpers import relative_error
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS = 2, 4, 2, 4
 TOLERANCE = 1e-5   # cli/bounds.py, IMPL_BOUND: CPU attention within 1e-5 relative of the oracle

@@ -14,7 +14,7 @@ import kvcupy as kc
 from kvcupy import reference
 from kvcupy.rotation import hadamard_matrix, kron_factors, sylvester
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EVEN_HEAD_SIZES = range(32, 257, 2)
 KRON_HEAD_SIZES = [d for d in EVEN_HEAD_SIZES if kron_factors(d)]
 

@@ -33,7 +33,7 @@ FIELDS = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
 # torch.cuda._sleep spins this many cycles: ~0.25 s at an H200's ~2 GHz, far longer
 # than the host needs to queue the calls that follow it.
 SPIN_CYCLES = 500_000_000
-# Attention against the CPU backend: the CUDA kernel's bound (test_gpu_attention.py)
+# Attention against the CPU backend: the CUDA kernel's bound (test_attention.py)
 # plus bfloat16's rounding of the output (2^-8 per element).
 ATTENTION_BOUND = 2e-3 + 2.0 ** -8
 

@@ -14,7 +14,7 @@ import pytest
 from kvcupy import formats
 from kvcupy.backends.cuda import kernels
 
-KERNELS = Path(__file__).resolve().parents[1] / "kernels_cu"
+KERNELS = Path(__file__).resolve().parents[2] / "kernels_cu"
 
 
 def constants(header: str) -> dict[str, int | float]:

@@ -10,7 +10,7 @@ import kvcupy as kc
 from kvcupy import backends, cache as cache_module, interop
 from kvcupy.backends import cpu
 
-from .helpers import paged_batch, relative_error
+from ..helpers import paged_batch, relative_error
 
 
 class OnFakeDevice:

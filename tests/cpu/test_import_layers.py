@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent / "kvcupy"
+PACKAGE_DIR = Path(__file__).resolve().parents[2] / "kvcupy"
 ROOT = PACKAGE_DIR.parent
 
 

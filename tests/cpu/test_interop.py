@@ -12,7 +12,7 @@ import pytest
 import kvcupy as kc
 from kvcupy import backends, interop
 
-from .helpers import paged_batch
+from ..helpers import paged_batch
 from .test_backends import fake  # noqa: F401  (a fixture: a "cuda" backend running on the host)
 
 
