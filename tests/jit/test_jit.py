@@ -54,9 +54,9 @@ def _write_kernels(folder: Path, tag: str, addend: str = "1.0f") -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cache_root(tmp_path_factory) -> Path:
-    # One root for the whole test run: NVRTC unpacks its bundled headers (~26 MB) there once.
+    # One root for this module's tests: NVRTC unpacks its bundled headers (~26 MB) there once.
     return tmp_path_factory.mktemp("kvcupy-cache")
 
 
