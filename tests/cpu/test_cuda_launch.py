@@ -106,16 +106,43 @@ def test_the_merge_signature_matches_the_kernel_source():
     assert parameter_codes(parameters) == kernels.MERGE_SIGNATURE
 
 
-def test_the_attention_signature_matches_the_kernel_source():
-    # Both attention entries take KVC_ATTENTION_ARGS; the macro runs to the blank line.
-    from kvcupy.backends.cuda import kernels
+def struct_fields(source: str, name: str) -> list:
+    """(field name, launch.py code) of C struct `name` in `source`, in order: one
+    declaration a line, comments aside, several names of one type allowed."""
+    body = source[source.index(f"struct {name} {{"):]
+    body = body[body.index("{") + 1:body.index("\n};")]
+    fields = []
+    for line in body.splitlines():
+        declaration = line.split("//")[0].strip().rstrip(";")
+        if not declaration:
+            continue
+        first, *others = (part.strip() for part in declaration.split(","))
+        code = parameter_codes(first)
+        fields += [(first.split()[-1].lstrip("*"), code)] + [(other, code) for other in others]
+    return fields
+
+
+def test_the_attention_params_match_the_kernel_header():
+    from kvcupy import jit
+    from kvcupy.backends.cuda.params import ATTENTION_PARAMS
+    header = (jit.source_dir() / "params.cuh").read_text()
+    assert struct_fields(header, "Params") == list(zip(ATTENTION_PARAMS.names, ATTENTION_PARAMS.signature))
     source = attention_source()
-    macro = source[source.index("#define KVC_ATTENTION_ARGS"):]
-    parameters = macro[macro.index("\n") + 1:macro.index("\n\n")]
-    assert parameter_codes(parameters) == kernels.ATTENTION_SIGNATURE
-    assert len(kernels.ATTENTION_SIGNATURE) == 54
     for entry in ("paged_attention", "prefill_attention"):
-        assert f"{entry}(KVC_ATTENTION_ARGS)" in source
+        assert f"{entry}(const __grid_constant__ Params p)" in source
+
+
+def test_a_parameter_struct_packs_named_fields_and_zeros_the_rest():
+    layout = cuda_launch.ParameterStruct((("pointer", "P"), ("count", "i"), ("wide", "q"), ("factor", "f")))
+    assert layout.offsets == {"pointer": 0, "count": 8, "wide": 16, "factor": 24}
+    assert layout.size == 32   # rounded up to the struct's alignment
+    packed = layout.pack({"count": 3, "factor": 0.5})
+    assert packed == struct.pack("<QiiqfI", 0, 3, 0, 0, 0.5, 0)
+    assert layout.pack({"pointer": np.uintp(0xAB00)})[:8] == struct.pack("<Q", 0xAB00)
+    with pytest.raises(KeyError, match="no field 'counts'"):
+        layout.pack({"counts": 1})
+    with pytest.raises(ValueError, match="repeats"):
+        cuda_launch.ParameterStruct((("a", "i"), ("a", "i")))
 
 
 class FakeDriver:

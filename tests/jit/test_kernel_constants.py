@@ -47,7 +47,7 @@ def test_write_kv_codes_are_the_formats_table():
 @pytest.mark.parametrize("name,dtype", [("kDtypeF32", np.float32), ("kDtypeF16", np.float16),
                                         ("kDtypeBf16", formats.MODEL_DTYPES["bfloat16"])])
 def test_query_and_output_dtype_codes(name, dtype):
-    assert constants("attention.cuh")[name] == kernels.dtype_code(dtype)
+    assert constants("params.cuh")[name] == kernels.dtype_code(dtype)
 
 
 def test_merge_limits():
@@ -59,3 +59,23 @@ def test_format_constants():
     found = constants("quantize.cuh")
     assert found["kNonFiniteScale"] == formats.NONFINITE_SCALE_BITS
     assert np.float32(found["kMinScale"]) == np.float32(formats.MIN_SCALE)
+
+
+def test_attention_params_layout_compiles_as_the_launcher_packs_it():
+    # Every field's offset and the struct's size as static_asserts: NVRTC refuses the
+    # program if the header's layout and the launcher's differ anywhere.
+    pytest.importorskip("cupy", reason="needs CuPy (the cuda13 extra)")
+    from cupy.cuda import nvrtc
+    from kvcupy import jit
+    from kvcupy.backends.cuda.params import ATTENTION_PARAMS
+    checks = "".join(f"static_assert(offsetof(Params, {name}) == {offset}, \"{name}\");\n"
+                     for name, offset in ATTENTION_PARAMS.offsets.items())
+    source = ('#include "params.cuh"\nusing kvc_attn::Params;\n#define offsetof(T, f) __builtin_offsetof(T, f)\n'
+              + checks + f"static_assert(sizeof(Params) == {ATTENTION_PARAMS.size}, \"size\");\n")
+    program = nvrtc.createProgram(source, "params_layout.cu", [], [])
+    nvrtc.compileProgram(program, ["--std=c++17", f"-I{jit.source_dir()}", *jit.cuda_include_options()])
+    # A wrong offset must fail the compile: the check above can fail.
+    wrong = source.replace(f"== {ATTENTION_PARAMS.offsets['sign_shift']},", "== 1,")
+    program = nvrtc.createProgram(wrong, "params_layout.cu", [], [])
+    with pytest.raises(nvrtc.NVRTCError):
+        nvrtc.compileProgram(program, ["--std=c++17", f"-I{jit.source_dir()}", *jit.cuda_include_options()])

@@ -29,7 +29,8 @@ from . import arrays as backend
 from . import launch
 from .device import _rotation_on
 from .fragments import rotation_shift, rotation_stages
-from .kernels import ATTENTION_SIGNATURE, KV_FP8, MERGE_SIGNATURE, MERGE_WARPS, PrefillKernel, dtype_code
+from .kernels import KV_FP8, MERGE_SIGNATURE, MERGE_WARPS, PrefillKernel, dtype_code
+from .params import ATTENTION_PARAMS
 from .planner import Plan
 from .write import rotate_rows
 
@@ -44,14 +45,16 @@ def _buffer(plan: Plan, name: str, shape: tuple, device):
     return plan.workspace[key]
 
 
-def _strides(plan: Plan, cache) -> tuple:
-    """Byte strides (block, slot, head) of K, V and their scales: twelve kernel arguments,
+def _strides(plan: Plan, cache) -> dict:
+    """Byte strides (block, slot, head) of K, V and their scales: twelve Params fields,
     worked out once per cache (a layer's call then only passes them)."""
     key = id(cache.key_cache), id(cache.k_scale_cache)
     if key not in plan.strides:
         scales = (cache.k_scale_cache, cache.v_scale_cache) if cache.k_scale_cache is not None else (
             cache.key_cache, cache.value_cache)
-        values = tuple(np.int64(s) for a in (cache.key_cache, cache.value_cache) + scales for s in a.strides[:3])
+        values = {f"{prefix}_{axis}_stride": int(stride)
+                  for prefix, array in zip(("k", "v", "ks", "vs"), (cache.key_cache, cache.value_cache) + scales)
+                  for axis, stride in zip(("block", "slot", "head"), array.strides[:3])}
         plan.strides[key] = (values, cache)   # the cache kept alive: its ids stay its own
     return plan.strides[key][0]
 
@@ -64,8 +67,8 @@ def _pair_aligned(array) -> bool:
             and array.strides[1] % (2 * size) == 0 and array.data.ptr % (2 * size) == 0)
 
 
-def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> tuple:
-    """The prefill kernel's own arguments (attention.cuh, Params: query_in .. direct).
+def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> dict:
+    """The prefill kernel's own Params fields (params.cuh: query_in .. direct).
 
     The kernel reads the caller's query and rotates it itself. With one split
     it also normalises, rotates back and writes `out`, unless `out` is not
@@ -81,14 +84,18 @@ def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> t
     # Blocks narrower than a fragment: a product would carry a NaN or inf across them.
     narrow = rotation is not None and rotation.kind == "blockdiag" and rotation.block < 16
     direct = plan.num_splits == 1 and not narrow and _pair_aligned(out.data)
-    size = q.itemsize
-    return (q, np.int64(q.strides[0] // size), np.int64(q.strides[1] // size), np.int32(dtype_code(query.dtype)),
-            forward if forward is not None else np.uintp(0), inverse if inverse is not None else np.uintp(0),
-            np.int32(shift), np.int32(rotation_stages(rotation)),
-            np.float32(1.0 / query_divisor(rotation, softmax_scale)), np.float32(1.0 / norm),
-            out.data, np.int64(out.data.strides[0] // out.data.itemsize),
-            np.int64(out.data.strides[1] // out.data.itemsize), np.int32(dtype_code(out.dtype)),
-            sinks if sinks is not None else np.uintp(0), np.int32(direct))
+    fields = dict(query_in=q, q_token_stride=q.strides[0] // q.itemsize, q_head_stride=q.strides[1] // q.itemsize,
+                  query_dtype=dtype_code(query.dtype), rotation_shift=shift,
+                  rotation_stages=rotation_stages(rotation),
+                  query_factor=1.0 / query_divisor(rotation, softmax_scale), out_factor=1.0 / norm,
+                  out=out.data, out_token_stride=out.data.strides[0] // out.data.itemsize,
+                  out_head_stride=out.data.strides[1] // out.data.itemsize, out_dtype=dtype_code(out.dtype),
+                  direct=int(direct), sign_shift=-1)
+    if forward is not None:
+        fields.update(rotation_fwd=forward, rotation_inv=inverse)
+    if sinks is not None:
+        fields["sinks"] = sinks
+    return fields
 
 
 def merge_split_warps(num_splits: int) -> int:
@@ -122,22 +129,19 @@ def _sign_operands(rotation, device) -> tuple:
     return _rotation_on(rotation, device.index), np.int32(sign_shift(rotation))
 
 
-def _decode_io(query, rotation, softmax_scale: float, signs: tuple) -> tuple:
-    """The decode kernel's values of the prefill arguments, and its own: where it
-    reads the caller's query itself (_in_kernel_rotation), that query, how to
-    scale it and `signs` (_sign_operands) to rotate it; otherwise a rotated
-    float32 query comes as `query`."""
+def _decode_io(query, rotation, softmax_scale: float, signs: tuple) -> dict:
+    """The decode kernel's own Params fields: where it reads the caller's query
+    itself (_in_kernel_rotation), that query, how to scale it and `signs`
+    (_sign_operands) to rotate it; otherwise a rotated float32 query comes as
+    `query` and these stay zero."""
     import cupy
-    null = np.uintp(0)
-    if not _in_kernel_rotation(rotation):
-        q, strides, code, factor = null, (0, 0), 0, 1.0
-    else:
+    fields = dict(signs=signs[0], sign_shift=int(signs[1]), out_factor=1.0, query_factor=1.0)
+    if _in_kernel_rotation(rotation):
         q = query.data if query.data.strides[2] == query.data.itemsize else cupy.ascontiguousarray(query.data)
-        strides = (q.strides[0] // q.itemsize, q.strides[1] // q.itemsize)
-        code, factor = dtype_code(query.dtype), 1.0 / query_divisor(rotation, softmax_scale)
-    return (q, np.int64(strides[0]), np.int64(strides[1]), np.int32(code), null, null, np.int32(-1),
-            np.int32(0), np.float32(factor), np.float32(1), null, np.int64(0), np.int64(0), np.int32(0),
-            null, np.int32(0)) + signs
+        fields.update(query_in=q, q_token_stride=q.strides[0] // q.itemsize, q_head_stride=q.strides[1] // q.itemsize,
+                      query_dtype=dtype_code(query.dtype),
+                      query_factor=1.0 / query_divisor(rotation, softmax_scale))
+    return fields
 
 
 def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sliding_window,
@@ -168,10 +172,10 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         # The decode kernel's and the merge's butterflies (null, -1: none, or kron).
         signs = _sign_operands(rotation, device)
         if prefill:
-            io = _prefill_io(plan, query, cache, softmax_scale, sink_logits, out) + (np.uintp(0), np.int32(-1))
+            io = _prefill_io(plan, query, cache, softmax_scale, sink_logits, out)
         else:
             io = _decode_io(query, rotation, softmax_scale, signs)
-        direct = bool(io[-3])
+        direct = bool(io.get("direct"))
         query_rows = None
         if not prefill and not in_kernel:
             # 1. The query in float32, rotated (kron), scaled (softmax scale, rotation norm).
@@ -188,19 +192,22 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         table = arrays["block_table"]
         null = np.uintp(0)
         grid = (plan.num_splits, plan.num_tiles, plan.head_groups)
-        attention_args = (
-            query_rows if query_rows is not None else null, cache.key_cache, cache.value_cache,
-            cache.k_scale_cache if has_scales else cache.key_cache,
-            cache.v_scale_cache if has_scales else cache.value_cache,
-            *_strides(plan, cache), table, arrays["seq_lens"], arrays["cu_seqlens_q"], plan.tiles,
-            part_out if part_out is not None else null, part_stats if part_stats is not None else null,
-            num_tokens, num_heads, num_heads // cache.num_kv_heads, head_size,
-            cache.key_cache.shape[3] * cache.key_cache.itemsize, cache.block_size,
-            int(cache.block_size).bit_length() - 1, cache.num_blocks, table.shape[1], plan.split_tokens,
-            sliding_window or 0, softcap, code_unit, *io)
-        launch.launch(plan.entry_handle(kernel), grid, (kernel.threads,), ATTENTION_SIGNATURE,
-                           attention_args, stream=cupy.cuda.get_current_stream().ptr,
-                           shared_bytes=kernel.shared_bytes, dependent=plan.dependent_launch)
+        params = ATTENTION_PARAMS.pack(dict(
+            query=query_rows if query_rows is not None else null, key_cache=cache.key_cache,
+            value_cache=cache.value_cache, k_scales=cache.k_scale_cache if has_scales else cache.key_cache,
+            v_scales=cache.v_scale_cache if has_scales else cache.value_cache,
+            **_strides(plan, cache), block_table=table, seq_lens=arrays["seq_lens"],
+            cu_seqlens_q=arrays["cu_seqlens_q"], tiles=plan.tiles,
+            part_out=part_out if part_out is not None else null,
+            part_stats=part_stats if part_stats is not None else null,
+            num_tokens=num_tokens, num_heads=num_heads, group=num_heads // cache.num_kv_heads,
+            head_size=head_size, row_bytes=cache.key_cache.shape[3] * cache.key_cache.itemsize,
+            block_size=cache.block_size, block_shift=int(cache.block_size).bit_length() - 1,
+            num_blocks=cache.num_blocks, table_width=table.shape[1], split_tokens=plan.split_tokens,
+            window=sliding_window or 0, softcap=softcap, code_unit=code_unit, **io))
+        launch.launch_packed(plan.entry_handle(kernel), grid, (kernel.threads,), params,
+                             stream=cupy.cuda.get_current_stream().ptr, shared_bytes=kernel.shared_bytes,
+                             dependent=plan.dependent_launch)
         if direct:
             return
         # 3. Merge the splits (and the sinks), rotating back into `out` (none or

@@ -34,9 +34,6 @@ ROW_STAGING_MIN_STAGES = 3
 MAX_SPLITS = 256         # attention.cuh: kMergeMaxSplits
 MERGE_WARPS = 8          # attention.cuh: kMergeWarps (split_warps of them a row)
 MERGE_SIGNATURE = "PPPPiiiiiPif"   # attention.cu's merge_splits parameters (launch.py's codes)
-# The attention entries' 54 parameters (attention.cu, KVC_ATTENTION_ARGS) in
-# launch.py's codes, packed into one buffer a launch.
-ATTENTION_SIGNATURE = "PPPPP" + "q" * 12 + "PPPPPP" + "i" * 11 + "ffPqqiPPiiffPqqiPiPi"
 # Four quads (16 query rows a warp) double the accumulators of two: above this
 # head size they spill even at 255 registers, so larger heads take more row tiles.
 MAX_HEAD_PAD_FOUR_QUADS = 128

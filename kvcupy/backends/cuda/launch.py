@@ -115,6 +115,46 @@ def _address(value) -> int:
     raise TypeError(f"kernel argument {type(value).__name__} is neither a device array nor an address")
 
 
+class ParameterStruct:
+    """A kernel's one by-value struct parameter, from its field list: (name, code)
+    pairs in the struct's order, codes as a signature's. Its C layout is the same
+    as that many parameters of those types: each field at its natural alignment,
+    the size rounded up to the largest (8)."""
+
+    def __init__(self, fields: tuple):
+        self.names = tuple(name for name, _ in fields)
+        self.signature = "".join(code for _, code in fields)
+        self._layout = parameter_layout(self.signature)
+        self.size = -(-self._layout.size // 8) * 8
+        self._tail = bytes(self.size - self._layout.size)
+        self._index = {name: index for index, name in enumerate(self.names)}
+        if len(self._index) != len(self.names):
+            raise ValueError("a field name repeats")
+        self._zeros = tuple(0.0 if code in "fd" else 0 for code in self.signature)
+
+    @property
+    def offsets(self) -> dict:
+        """Each field's byte offset in the struct."""
+        offsets, offset = {}, 0
+        for name, code in zip(self.names, self.signature):
+            size = _SIZES[code]
+            offset += -offset % size
+            offsets[name] = offset
+            offset += size
+        return offsets
+
+    def pack(self, values: dict) -> bytes:
+        """The struct's bytes: `values` by field name (device arrays or addresses for
+        pointers), every other field zero."""
+        fields = list(self._zeros)
+        for name, value in values.items():
+            index = self._index.get(name)
+            if index is None:
+                raise KeyError(f"the parameter struct has no field {name!r}")
+            fields[index] = _address(value) if self.signature[index] == "P" else value
+        return self._layout.pack(*fields) + self._tail
+
+
 def pack_parameters(signature: str, args: tuple) -> bytes:
     """`args` packed as the kernel's parameter buffer."""
     if len(args) != len(signature):
@@ -149,7 +189,13 @@ def launch(handle: int, grid: tuple, block: tuple, signature: str, args: tuple, 
     `signature` on `stream` (a handle); dependent: as a programmatic dependent of
     the kernel queued before it. Dynamic shared memory above 48 KB needs the
     function's attribute set first (a RawKernel's max_dynamic_shared_size_bytes)."""
-    packed = pack_parameters(signature, args)
+    launch_packed(handle, grid, block, pack_parameters(signature, args), stream=stream,
+                  shared_bytes=shared_bytes, dependent=dependent)
+
+
+def launch_packed(handle: int, grid: tuple, block: tuple, packed: bytes, *, stream: int,
+                  shared_bytes: int = 0, dependent: bool = False) -> None:
+    """launch() with the parameter buffer already packed (a ParameterStruct's bytes)."""
     buffer = ctypes.create_string_buffer(packed, len(packed))
     size = ctypes.c_size_t(len(packed))
     extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE,
