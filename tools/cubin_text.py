@@ -1,10 +1,11 @@
 """Which builds' machine code two kernel source folders compile to differently.
 
-    PYTHONPATH=. python3 tools/cubin_text.py OLD_DIR [NEW_DIR] [--arch sm_90] [--all]
+    PYTHONPATH=. python3 tools/cubin_text.py OLD_DIR [NEW_DIR] [--arch sm_90] [--all] [--only TEXT]
 
 Compiles the specialisations `kvcupy check` compiles (its sample; --all: every one)
 from each folder (KVCUPY_KERNEL_DIR; NEW_DIR defaults to kernels_cu/) with this
-machine's NVRTC, no GPU needed, and compares the cubins' .text sections: the
+machine's NVRTC, no GPU needed (--only: the builds whose entry and defines
+contain TEXT, e.g. prefill_attention or KVC_WGMMA=1), and compares the cubins' .text sections: the
 instructions. The rest of a cubin differs between sources whose code is the same
 (its sidecar records, symbol tables), so whole-file hashes say nothing. A
 refactor that should not change a kernel shows `same` for every build; sources
@@ -43,7 +44,7 @@ def text_sections(cubin: bytes) -> dict[str, str]:
     return found
 
 
-def compiled_code(folder: str, specs, arch: str) -> dict[str, dict | str]:
+def compiled_code(folder: str, specs, arch: str, only: str = "") -> dict[str, dict | str]:
     """Per specialisation (entry and defines), its .text hashes or why it did not build."""
     saved = os.environ.get(jit.SOURCE_DIR_ENV)
     os.environ[jit.SOURCE_DIR_ENV] = folder
@@ -54,6 +55,8 @@ def compiled_code(folder: str, specs, arch: str) -> dict[str, dict | str]:
             if target is None:
                 continue
             key = f"{spec.entry} {target} {jit.define_flags(spec.defines)}"
+            if only not in f"{spec.functions[0]} {key}":
+                continue
             try:
                 result = jit.compile_entry(spec.entry, spec.defines, target)
                 code[key] = text_sections(Path(result.path).read_bytes())
@@ -73,9 +76,10 @@ def main() -> None:
     parser.add_argument("new", nargs="?", default=str(jit.source_dir()))
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--all", action="store_true")
+    parser.add_argument("--only", default="", help="only the builds whose entry and defines contain this")
     options = parser.parse_args()
     specs = cuda_specs.specialisations(all=options.all)
-    old, new = (compiled_code(folder, specs, options.arch) for folder in (options.old, options.new))
+    old, new = (compiled_code(folder, specs, options.arch, options.only) for folder in (options.old, options.new))
     for key in sorted(old.keys() | new.keys()):
         before, after = old.get(key), new.get(key)
         if before is None or after is None:

@@ -51,7 +51,7 @@ def test_query_and_output_dtype_codes(name, dtype):
 
 
 def test_merge_limits():
-    found = constants("attention.cuh")
+    found = constants("merge.cuh")
     assert (found["kMergeWarps"], found["kMergeMaxSplits"]) == (kernels.MERGE_WARPS, kernels.MAX_SPLITS)
 
 

@@ -99,7 +99,7 @@ def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> d
 
 
 def merge_split_warps(num_splits: int) -> int:
-    """Warps that share one row's merge (attention.cuh, merge_splits): the largest power
+    """Warps that share one row's merge (merge.cuh, merge_splits): the largest power
     of two up to MERGE_WARPS and the split count."""
     return min(MERGE_WARPS, 1 << (max(1, num_splits).bit_length() - 1))
 

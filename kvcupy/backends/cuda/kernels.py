@@ -31,8 +31,8 @@ STAGE_THREADS, STAGE_BULK, STAGE_ROWS = 0, 1, 2
 STAGES = 3               # a decode block's pipeline depth in tiles, unless a build says otherwise
 # Row copies go out a tile late (after the tile is read): with fewer stages none would be in flight.
 ROW_STAGING_MIN_STAGES = 3
-MAX_SPLITS = 256         # attention.cuh: kMergeMaxSplits
-MERGE_WARPS = 8          # attention.cuh: kMergeWarps (split_warps of them a row)
+MAX_SPLITS = 256         # merge.cuh: kMergeMaxSplits
+MERGE_WARPS = 8          # merge.cuh: kMergeWarps (split_warps of them a row)
 MERGE_SIGNATURE = "PPPPiiiiiPif"   # attention.cu's merge_splits parameters (launch.py's codes)
 # Four quads (16 query rows a warp) double the accumulators of two: above this
 # head size they spill even at 255 registers, so larger heads take more row tiles.
