@@ -435,53 +435,24 @@ def jax_ready_stream(device) -> int | None:
     return _jax_streams[key]
 
 
-class _StreamHandle:
-    """A raw stream pointer in the CUDA stream protocol, as CuPy's Stream.from_external takes it."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-_cupy_streams: dict = {}
-_CUPY_STREAMS_KEPT = 64
-
-
-def _cupy_stream(ptr: int, device_index: int):
-    """CuPy's view of a stream it does not own (the device current already), one
-    kept per (device, handle): making one costs more than the rest of a switch.
-    A view holds the handle only and never destroys the stream."""
-    import cupy
-    key = (cupy.cuda, device_index, ptr)   # (the module too: tests swap in a stand-in)
-    stream = _cupy_streams.get(key)
-    if stream is None:
-        if len(_cupy_streams) >= _CUPY_STREAMS_KEPT:
-            _cupy_streams.clear()
-        if hasattr(cupy.cuda.Stream, "from_external"):   # CuPy >= 14; it never destroys the stream
-            stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-        else:
-            stream = cupy.cuda.ExternalStream(ptr, device_index)
-        _cupy_streams[key] = stream
-    return stream
-
-
-def _launches_through_cupy(device: Device) -> bool:
-    """Whether kvcupy's own backend, which launches on CuPy's current device and
-    stream, serves `device` (a test double or an unusable backend does not)."""
+def _stream_backend(device: Device):
+    """The backend that launches kvcupy's work on `device`, where it has a device
+    and streams to make current; None on the host, or where the device has no
+    backend (as_array names the argument and the reason)."""
+    if device.kind == "cpu":
+        return None
     from . import backends
     try:
-        backend = backends.for_device(device)
+        return backends.for_device(device)
     except ValueError:
-        return False   # as_array names the argument and the reason
-    return getattr(backend, "__name__", None) in ("kvcupy.backends.cuda", "kvcupy.backends.rocm")
+        return None
 
 
 class running_on:
-    """Run the enclosed kvcupy work on `device` (current for CuPy and, for torch
-    callers, for torch) and on `source`'s stream, made CuPy's current stream:
-    every launch and every DLPack exchange inside then uses it. Nothing waits:
+    """Run the enclosed kvcupy work on `device` (current for its backend and, for
+    torch callers, for torch) and on `source`'s stream, made the backend's
+    current stream (CuPy's, for the GPU backends): every launch and every DLPack
+    exchange inside then uses it. Nothing waits:
     no stream or device synchronisation. (A class rather than a generator: a
     call enters it once, and its host time counts; tools/host_primitives.py.)"""
 
@@ -491,17 +462,17 @@ class running_on:
 
     def __enter__(self):
         device = self.device
-        if device.kind == "cpu" or not _launches_through_cupy(device):
+        backend = _stream_backend(device)
+        if backend is None:
             return self
         try:
-            import cupy
-            self._enter(cupy.cuda.Device(device.index))
+            self._enter(backend.device_context(device))
             if self.source.framework == "torch":
                 import torch
                 self._enter(torch.cuda.device(device.index))
             ptr = self.source.stream()
             if ptr is not None:
-                self._enter(_cupy_stream(ptr, device.index))
+                self._enter(backend.stream_context(device, ptr))
                 if self.source.framework == "torch":
                     self._enter(_TorchStreamEntered(device.index, ptr))
         except BaseException:   # what was entered is left again, as `with` will not
@@ -561,11 +532,10 @@ def running_like(x):
 
 
 def synchronize(device: Device) -> None:
-    """Wait for CuPy's current stream on `device` (a GPU kvcupy launches on)."""
-    if device.kind != "cpu" and _launches_through_cupy(device):
-        import cupy
-        with cupy.cuda.Device(device.index):
-            cupy.cuda.get_current_stream().synchronize()
+    """Wait for the work kvcupy queued on `device` (its backend's current stream)."""
+    backend = _stream_backend(device)
+    if backend is not None:
+        backend.synchronize(device)
 
 
 # --- results back to the caller --------------------------------------------

@@ -50,6 +50,17 @@ class Backend(Protocol):
         """The stream a producer should order its work on before handing memory over
         (DLPack's `stream` argument): the stream this backend will launch on."""
 
+    def device_context(self, device) -> Any:
+        """A context manager making `device` current for the backend's launches and
+        allocations (nullcontext where there is nothing to make current)."""
+
+    def stream_context(self, device, stream: int) -> Any:
+        """A context manager making `stream` (a handle of another framework's stream on
+        `device`, current already) the one the backend launches on."""
+
+    def synchronize(self, device) -> None:
+        """Wait for the work the backend queued on `device` (its current stream)."""
+
     def zeros(self, shape: tuple, dtype, device) -> Any:
         """A zero-filled array on `device` (dtype: NumPy dtype, bfloat16/fp8 as bits)."""
 

@@ -37,6 +37,18 @@ def dlpack_stream(device) -> None:
     return None   # host memory: no stream to order on
 
 
+def device_context(device):
+    return contextlib.nullcontext()   # the host has nothing to make current
+
+
+def stream_context(device, stream: int):
+    return contextlib.nullcontext()
+
+
+def synchronize(device) -> None:
+    """The host's work is done when its call returns."""
+
+
 def zeros(shape: tuple, dtype, device) -> np.ndarray:
     return np.zeros(shape, dtype)
 

@@ -3,6 +3,8 @@ and a step's metadata is checked and planned once for all layers."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -62,6 +64,15 @@ class FakeBackend:
 
     def dlpack_stream(self, device):
         return None
+
+    def device_context(self, device):
+        return contextlib.nullcontext()
+
+    def stream_context(self, device, stream):
+        return contextlib.nullcontext()
+
+    def synchronize(self, device):
+        pass
 
     def __getattr__(self, method):
         """rotate, reshape_and_cache, plan_attention, paged_attention, copy_blocks:

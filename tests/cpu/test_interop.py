@@ -323,13 +323,11 @@ def test_index_and_data_arrays_on_another_device_are_refused_by_name(fake):
     assert fake.calls == [], "nothing reached the backend"
 
 
-class FakeCupy:
-    """Stands in for CuPy's device and stream contexts; logs what running_on does."""
+class StreamLoggingBackend:
+    """A GPU backend's device and stream contexts, logging what running_on does."""
 
     def __init__(self):
         self.log = []
-        self.cuda = self
-        self.Stream = self
 
     def _context(self, *entry):
         log = self.log
@@ -342,49 +340,57 @@ class FakeCupy:
                 log.append(("exit",) + entry)
         return Context()
 
-    def Device(self, index):
-        return self._context("device", index)
+    def device_context(self, device):
+        return self._context("device", device.index)
 
-    def from_external(self, handle):
-        return self._context("stream", handle.__cuda_stream__()[1])
+    def stream_context(self, device, ptr):
+        return self._context("stream", ptr)
 
 
 def test_running_on_makes_the_device_current_then_the_callers_stream(monkeypatch):
-    """On a GPU kvcupy launches through: the device first (CuPy takes a stream only on
-    its own device), then the caller's stream; left in reverse order. CuPy's own
-    current stream (no source) is left as it is; the host needs neither."""
-    fake_cupy = FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    monkeypatch.setattr(interop, "_launches_through_cupy", lambda device: True)
+    """On a GPU: the device first (CuPy takes a stream only on its own device), then
+    the caller's stream; left in reverse order. The backend's own current stream (no
+    source) is left as it is; the host needs neither."""
+    backend = StreamLoggingBackend()
+    monkeypatch.setattr(interop, "_stream_backend", lambda device: None if device.kind == "cpu" else backend)
     monkeypatch.setattr(interop.StreamSource, "stream", lambda source: source.handle)
     with interop.running_on(interop.Device("cuda", 1), interop.StreamSource("test", 0xBEEF)):
-        fake_cupy.log.append("work")
-    assert fake_cupy.log == [("enter", "device", 1), ("enter", "stream", 0xBEEF), "work",
-                             ("exit", "stream", 0xBEEF), ("exit", "device", 1)]
-    fake_cupy.log.clear()
+        backend.log.append("work")
+    assert backend.log == [("enter", "device", 1), ("enter", "stream", 0xBEEF), "work",
+                           ("exit", "stream", 0xBEEF), ("exit", "device", 1)]
+    backend.log.clear()
     with interop.running_on(interop.Device("cuda", 0)):
-        fake_cupy.log.append("work")
-    assert fake_cupy.log == [("enter", "device", 0), "work", ("exit", "device", 0)]
-    fake_cupy.log.clear()
+        backend.log.append("work")
+    assert backend.log == [("enter", "device", 0), "work", ("exit", "device", 0)]
+    backend.log.clear()
     with interop.running_on(interop.HOST, interop.StreamSource("test", 0xBEEF)):
-        fake_cupy.log.append("work")
-    assert fake_cupy.log == ["work"]
+        backend.log.append("work")
+    assert backend.log == ["work"]
 
 
 def test_running_on_leaves_the_device_again_when_the_stream_cannot_be_had(monkeypatch):
     """A failure while switching (the caller's stream cannot be asked for) leaves
     what was already entered, and the error reaches the caller."""
-    fake_cupy = FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    monkeypatch.setattr(interop, "_launches_through_cupy", lambda device: True)
+    backend = StreamLoggingBackend()
+    monkeypatch.setattr(interop, "_stream_backend", lambda device: backend)
 
     def unavailable(source):
         raise RuntimeError("no stream")
     monkeypatch.setattr(interop.StreamSource, "stream", unavailable)
     with pytest.raises(RuntimeError, match="no stream"):
         with interop.running_on(interop.Device("cuda", 1), interop.StreamSource("test", 0xBEEF)):
-            fake_cupy.log.append("work")
-    assert fake_cupy.log == [("enter", "device", 1), ("exit", "device", 1)]
+            backend.log.append("work")
+    assert backend.log == [("enter", "device", 1), ("exit", "device", 1)]
+
+
+def test_every_backend_serves_the_stream_protocol():
+    """interop asks the backend, never CuPy, for devices and streams: each backend
+    module has the three functions (the CUDA one imports without CuPy)."""
+    import importlib
+    for module in ("kvcupy.backends.cpu", "kvcupy.backends.cuda"):
+        backend = importlib.import_module(module)
+        for function in ("device_context", "stream_context", "synchronize"):
+            assert callable(getattr(backend, function, None)), f"{module} lacks {function}"
 
 
 def test_stream_sources_follow_the_framework():

@@ -18,13 +18,13 @@ CuPy is imported inside the functions that use it: this package imports on a
 machine without CuPy, where `availability()` says what is missing.
 """
 
-from .arrays import (availability, current_stream, device_kind, device_view, dlpack_stream, empty, import_dlpack,
-                     name, upload, zeros)
+from .arrays import (availability, current_stream, device_context, device_kind, device_view, dlpack_stream, empty,
+                     import_dlpack, name, stream_context, synchronize, upload, zeros)
 from .attention import paged_attention
 from .planner import plan_attention
 from .specs import specialisations
 from .write import copy_blocks, reshape_and_cache, rotate
 
-__all__ = ["availability", "copy_blocks", "current_stream", "device_kind", "device_view", "dlpack_stream", "empty",
-           "import_dlpack", "name", "paged_attention", "plan_attention", "reshape_and_cache", "rotate",
-           "specialisations", "upload", "zeros"]
+__all__ = ["availability", "copy_blocks", "current_stream", "device_context", "device_kind", "device_view",
+           "dlpack_stream", "empty", "import_dlpack", "name", "paged_attention", "plan_attention", "reshape_and_cache",
+           "rotate", "specialisations", "stream_context", "synchronize", "upload", "zeros"]

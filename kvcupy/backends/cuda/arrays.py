@@ -91,6 +91,53 @@ def current_stream(device) -> int:
         return cupy.cuda.get_current_stream().ptr
 
 
+def device_context(device):
+    """A context making `device` CuPy's current device (where launches and allocations go)."""
+    import cupy
+    return cupy.cuda.Device(device.index)
+
+
+class _StreamHandle:
+    """A bare stream handle in the CUDA stream protocol (`__cuda_stream__`), for CuPy's
+    `Stream.from_external`."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+_external_streams: dict = {}
+_EXTERNAL_STREAMS_KEPT = 64
+
+
+def stream_context(device, ptr: int):
+    """A context making stream `ptr` (a handle another framework owns, on `device`,
+    which must be current) CuPy's current stream. One CuPy view is kept per
+    (device, handle): making one costs more than the rest of a switch. A view holds
+    the handle only and never destroys the stream."""
+    import cupy
+    key = (cupy.cuda, device.index, ptr)   # (the module too: tests swap in a stand-in)
+    stream = _external_streams.get(key)
+    if stream is None:
+        if len(_external_streams) >= _EXTERNAL_STREAMS_KEPT:
+            _external_streams.clear()
+        if hasattr(cupy.cuda.Stream, "from_external"):   # CuPy >= 14; it never destroys the stream
+            stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+        else:
+            stream = cupy.cuda.ExternalStream(ptr, device.index)
+        _external_streams[key] = stream
+    return stream
+
+
+def synchronize(device) -> None:
+    """Wait for CuPy's current stream on `device`."""
+    import cupy
+    with cupy.cuda.Device(device.index):
+        cupy.cuda.get_current_stream().synchronize()
+
+
 def device_view(pointer: int, shape: tuple, dtype: np.dtype, element_strides: tuple, owner, device) -> cupy.ndarray:
     """A CuPy array over memory another framework owns on `device` (interop's torch
     views): `shape` and `element_strides` (non-negative, in elements) from `pointer`,
