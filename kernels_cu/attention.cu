@@ -6,19 +6,26 @@
 //   prefill_attention: KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, KVC_CHUNK,
 //     KVC_MIN_BLOCKS, KVC_WGMMA, KVC_PRODUCER, KVC_DIRECT, KVC_SWIZZLE, KVC_ROTATED, KVC_WIDE_ROWS;
 //   merge_splits: KVC_OUT_T.
-// Both attention entries take one Params (params.cuh).
 #include "attention.cuh"
 #include "prefill.cuh"
 
 using namespace kvc_attn;
 
+// Both attention entries take the fields of Params as parameters (params.cuh says
+// why not the struct itself) and hand the kernel code one Params of them.
+#define KVC_PARAMETER(type, name) type name,
+#define KVC_LAST_PARAMETER(type, name) type name
+#define KVC_ARGUMENT(type, name) name,
+#define KVC_ATTENTION_PARAMETERS KVC_ATTENTION_FIELDS(KVC_PARAMETER, KVC_LAST_PARAMETER)
+#define KVC_ATTENTION_PARAMS Params{KVC_ATTENTION_FIELDS(KVC_ARGUMENT, KVC_ARGUMENT)}
+
 #ifdef KVC_ATTN_KV
 // Decode and short query runs: one warp a KV head.
 typedef Attention<KVC_ATTN_KV, KVC_HEAD_PAD, KVC_HEADS, KVC_QUADS, KVC_TILE, KVC_STAGES, KVC_CHUNK> Kernel;
 
-extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS, KVC_MIN_BLOCKS) paged_attention(const __grid_constant__ Params p) {
+extern "C" __global__ void __launch_bounds__(32 * KVC_HEADS, KVC_MIN_BLOCKS) paged_attention(KVC_ATTENTION_PARAMETERS) {
   enter_dependent_grid();   // launched as a dependent (Tuning.dependent_launch)
-  Kernel::run(p, p.block_shift);
+  Kernel::run(KVC_ATTENTION_PARAMS, block_shift);
 }
 #endif
 
@@ -40,9 +47,9 @@ typedef Prefill<KVC_PREFILL_KV, KVC_HEAD_PAD, KVC_WARPS, KVC_TILE, KVC_STAGES, K
                 KVC_PRODUCER != 0, KVC_DIRECT != 0>
     PrefillKernel;
 
-extern "C" __global__ void __launch_bounds__(32 * KVC_WARPS, KVC_MIN_BLOCKS) prefill_attention(const __grid_constant__ Params p) {
+extern "C" __global__ void __launch_bounds__(32 * KVC_WARPS, KVC_MIN_BLOCKS) prefill_attention(KVC_ATTENTION_PARAMETERS) {
   enter_dependent_grid();   // launched as a dependent (Tuning.dependent_launch)
-  PrefillKernel::run(p, p.block_shift);
+  PrefillKernel::run(KVC_ATTENTION_PARAMS, block_shift);
 }
 #endif
 

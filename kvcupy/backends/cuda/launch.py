@@ -116,17 +116,15 @@ def _address(value) -> int:
 
 
 class ParameterStruct:
-    """A kernel's one by-value struct parameter, from its field list: (name, code)
-    pairs in the struct's order, codes as a signature's. Its C layout is the same
-    as that many parameters of those types: each field at its natural alignment,
-    the size rounded up to the largest (8)."""
+    """A kernel's parameters as one named field list: (name, code) pairs in order,
+    codes as a signature's; packed as that signature is (each field at its natural
+    alignment, which is also a C struct's layout of the same fields)."""
 
     def __init__(self, fields: tuple):
         self.names = tuple(name for name, _ in fields)
         self.signature = "".join(code for _, code in fields)
         self._layout = parameter_layout(self.signature)
-        self.size = -(-self._layout.size // 8) * 8
-        self._tail = bytes(self.size - self._layout.size)
+        self.size = self._layout.size   # the parameter bytes: no tail padding (the driver takes exactly these)
         self._index = {name: index for index, name in enumerate(self.names)}
         if len(self._index) != len(self.names):
             raise ValueError("a field name repeats")
@@ -134,7 +132,7 @@ class ParameterStruct:
 
     @property
     def offsets(self) -> dict:
-        """Each field's byte offset in the struct."""
+        """Each field's byte offset in the parameter buffer."""
         offsets, offset = {}, 0
         for name, code in zip(self.names, self.signature):
             size = _SIZES[code]
@@ -144,7 +142,7 @@ class ParameterStruct:
         return offsets
 
     def pack(self, values: dict) -> bytes:
-        """The struct's bytes: `values` by field name (device arrays or addresses for
+        """The parameter bytes: `values` by field name (device arrays or addresses for
         pointers), every other field zero."""
         fields = list(self._zeros)
         for name, value in values.items():
@@ -152,7 +150,7 @@ class ParameterStruct:
             if index is None:
                 raise KeyError(f"the parameter struct has no field {name!r}")
             fields[index] = _address(value) if self.signature[index] == "P" else value
-        return self._layout.pack(*fields) + self._tail
+        return self._layout.pack(*fields)
 
 
 def pack_parameters(signature: str, args: tuple) -> bytes:
@@ -195,7 +193,7 @@ def launch(handle: int, grid: tuple, block: tuple, signature: str, args: tuple, 
 
 def launch_packed(handle: int, grid: tuple, block: tuple, packed: bytes, *, stream: int,
                   shared_bytes: int = 0, dependent: bool = False) -> None:
-    """launch() with the parameter buffer already packed (a ParameterStruct's bytes)."""
+    """launch() with the parameter buffer already packed (ParameterStruct.pack)."""
     buffer = ctypes.create_string_buffer(packed, len(packed))
     size = ctypes.c_size_t(len(packed))
     extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE,

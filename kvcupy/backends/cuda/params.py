@@ -1,9 +1,9 @@
-"""The attention kernels' one parameter, `Params` (kernels_cu/params.cuh), as a
-single field list: names in the struct's order and launch.py's type codes. The
-launcher fills it by name (fields a kernel does not read stay zero) and packs
-it with the struct's C layout. tests/cpu/test_cuda_launch.py holds the names
-and types equal to the header's; tests/jit/test_kernel_constants.py compiles a
-static_assert of every offset and of the size.
+"""The attention kernels' parameters (kernels_cu/params.cuh, KVC_ATTENTION_FIELDS:
+the fields of `Params`) as one field list: names in order and launch.py's type
+codes. The launcher fills them by name (fields a kernel does not read stay
+zero) and packs them into one buffer. tests/cpu/test_cuda_launch.py holds the
+names and types equal to the header's; tests/jit/test_kernel_constants.py
+compiles a static_assert of every offset.
 """
 
 from __future__ import annotations
