@@ -14,6 +14,13 @@ Validation policy (the GPU's hot path must not synchronise):
   cache; the output for a sequence with bad ids is then unspecified.
 - `validate=True` checks device contents too, at the price of a copy to the
   host and a synchronisation.
+- `max_query_len` / `max_seq_len` (host ints beside device metadata, as
+  flash-attn's varlen call and vLLM take them) promise that no sequence has
+  more new query tokens / more keys; a device backend plans its work for them
+  instead of for the whole query and block table. The promise is checked
+  wherever the contents are known on the host (host metadata, or
+  validate=True) and trusted otherwise: a broken promise leaves the output of
+  the sequences that break it unspecified, as a bad id does.
 
 A plan is also where a backend hangs its own per-batch planning (CPU work
 items, CUDA split-KV sizes): `backend_plan` builds it once per plan and key.
@@ -21,6 +28,7 @@ items, CUDA split-KV sizes): `backend_plan` builds it once per plan and key.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -64,6 +72,10 @@ class _Uploads:
             self.copies[key] = arrays
         return self.copies[key]
 
+    def made(self, backend, device) -> bool:
+        """Whether `on(backend, device)` has made its arrays already (it uploads nothing then)."""
+        return (backend.name, device) in self.copies
+
     def check_device(self, device) -> None:
         """Index arrays passed on a device are on `device`, or a TypeError names one."""
         for array in self.device.values():
@@ -75,7 +87,10 @@ class BatchPlan:
     """Attention metadata of one step: block_table [S, W], seq_lens [S],
     cu_seqlens_q [S+1], for caches of `block_size` tokens a page and
     `num_blocks` pages. `checked`: the contents were checked (host metadata, or
-    validate=True); `host`: the int32 host arrays when the contents are known."""
+    validate=True); `host`: the int32 host arrays when the contents are known.
+    `max_query_len` / `max_seq_len`: bounds on every sequence's new query tokens
+    and keys (the caller's hints, else the contents' maxima where the host knows
+    them, else None)."""
 
     num_seqs: int
     block_size: int
@@ -85,6 +100,8 @@ class BatchPlan:
     _uploads: _Uploads
     table_width: int = 0   # block_table's columns: with block_size, a bound on every length
     tuning: Any = None     # a backend's tunables (e.g. backends.cuda.tuning.Tuning); None: its defaults
+    max_query_len: int | None = None
+    max_seq_len: int | None = None
     _backend_plans: dict = field(default_factory=dict)
 
     @property
@@ -99,9 +116,29 @@ class BatchPlan:
             return self.host["cu_seqlens_q"]
         return self._uploads.host.get("cu_seqlens_q")
 
+    @property
+    def host_seq_lens(self) -> np.ndarray | None:
+        """seq_lens on the host when it is known there (given on the host, or validated)."""
+        if self.host is not None:
+            return self.host["seq_lens"]
+        return self._uploads.host.get("seq_lens")
+
     def arrays(self, backend, device) -> dict[str, Any]:
         """block_table, seq_lens, cu_seqlens_q as `backend`'s int32 arrays on `device`."""
         return self._uploads.on(backend, device)
+
+    def uploaded(self, backend, device) -> bool:
+        """Whether `arrays(backend, device)` would upload nothing (it did before)."""
+        return self._uploads.made(backend, device)
+
+    def bounds(self, num_query_tokens: int) -> tuple[int, int]:
+        """(new query tokens, keys) that no sequence exceeds, for a call of
+        `num_query_tokens` tokens: the plan's max_query_len / max_seq_len, where
+        unknown the whole query and the whole block table's row. At least 1 each."""
+        query = num_query_tokens if self.max_query_len is None else min(self.max_query_len, num_query_tokens)
+        table = self.table_width * self.block_size   # kernels clip every length to it
+        keys = table if self.max_seq_len is None else min(self.max_seq_len, table)
+        return max(1, query), max(1, keys)
 
     def check_device(self, device) -> None:
         """Metadata that lives on a device lives on `device` (the call's), or a TypeError."""
@@ -148,11 +185,45 @@ def _check_contents(table: np.ndarray, lens: np.ndarray, starts: np.ndarray,
                          f"{column}); the cache has blocks 0..{num_blocks - 1}")
 
 
+def _hint(value, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be a Python int (a bound known on the host) or None")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1")
+    return int(value)
+
+
+def _check_hints(max_query_len: int | None, max_seq_len: int | None, capacity: str, table_tokens: int) -> None:
+    if max_seq_len is not None and max_seq_len > table_tokens:
+        raise ValueError(f"max_seq_len={max_seq_len} exceeds what block_table's rows cover: {capacity}")
+    if max_query_len is not None and max_seq_len is not None and max_query_len > max_seq_len:
+        raise ValueError(f"max_query_len={max_query_len} exceeds max_seq_len={max_seq_len}: a sequence's "
+                         "new query tokens are among its keys")
+
+
+def _check_promises(max_query_len: int | None, max_seq_len: int | None, query_lens: np.ndarray | None,
+                    lens: np.ndarray | None) -> None:
+    """The hints hold for the contents the host knows, or a ValueError names the first break."""
+    if max_query_len is not None and query_lens is not None and query_lens.size and query_lens.max() > max_query_len:
+        seq = int(np.argmax(query_lens))
+        raise ValueError(f"max_query_len={max_query_len}, but sequence {seq} has {int(query_lens[seq])} new "
+                         "query tokens (cu_seqlens_q)")
+    if max_seq_len is not None and lens is not None and lens.size and lens.max() > max_seq_len:
+        seq = int(np.argmax(lens))
+        raise ValueError(f"max_seq_len={max_seq_len}, but seq_lens[{seq}]={int(lens[seq])}")
+
+
 def plan_batch(*, block_table, seq_lens, cu_seqlens_q=None, block_size: int, num_blocks: int,
-               num_query_tokens: int | None = None, validate: bool = False, tuning=None) -> BatchPlan:
+               num_query_tokens: int | None = None, max_query_len: int | None = None,
+               max_seq_len: int | None = None, validate: bool = False, tuning=None) -> BatchPlan:
     """Check a batch's metadata once (module docstring's policy) and plan it.
-    `tuning`: the backend's tunables for this batch's plans (the CUDA backend's
-    kvcupy.backends.cuda.tuning.Tuning); None takes its defaults."""
+
+    max_query_len / max_seq_len: Python ints no sequence's new query tokens /
+    keys exceed (the module docstring's hints), for metadata on a device; None
+    where unknown. `tuning`: the backend's tunables for this batch's plans (the
+    CUDA backend's kvcupy.backends.cuda.tuning.Tuning); None takes its defaults."""
     lens = _index(seq_lens, "seq_lens", 1)
     num_seqs = lens.shape[0]
     table = _index(block_table, "block_table", 2)
@@ -166,6 +237,10 @@ def plan_batch(*, block_table, seq_lens, cu_seqlens_q=None, block_size: int, num
         if starts.shape != (num_seqs + 1,):
             raise ValueError(f"cu_seqlens_q has shape {starts.shape}; expected {(num_seqs + 1,)} "
                              "(num_seqs + 1 offsets)")
+    max_query_len = _hint(max_query_len, "max_query_len")
+    max_seq_len = _hint(max_seq_len, "max_seq_len")
+    _check_hints(max_query_len, max_seq_len, f"{table.shape[1]} blocks x {block_size} = "
+                 f"{table.shape[1] * block_size} tokens", table.shape[1] * block_size)
     named = {"block_table": table, "seq_lens": lens, "cu_seqlens_q": starts}
     devices = {a.device for a in named.values()} - {HOST}
     if len(devices) > 1:
@@ -181,8 +256,19 @@ def plan_batch(*, block_table, seq_lens, cu_seqlens_q=None, block_size: int, num
     host_arrays = {name: host[name] for name, a in named.items() if a.device == HOST} if host else {
         name: np.ascontiguousarray(a.data, dtype=np.int32) for name, a in named.items() if a.device == HOST}
     device_arrays = {name: a for name, a in named.items() if a.device != HOST}
+    # What the host knows of the contents (decode's one token each included), for the
+    # promises' check and as the bounds where no hint was given.
+    known = host if host is not None else host_arrays
+    query_lens = np.diff(known["cu_seqlens_q"]) if "cu_seqlens_q" in known else None
+    known_lens = known.get("seq_lens")
+    _check_promises(max_query_len, max_seq_len, query_lens, known_lens)
+    if max_query_len is None and query_lens is not None and query_lens.size:
+        max_query_len = int(query_lens.max())
+    if max_seq_len is None and known_lens is not None and known_lens.size:
+        max_seq_len = int(known_lens.max())
     return BatchPlan(num_seqs, block_size, num_blocks, checked=host is not None, host=host,
-                     _uploads=_Uploads(host_arrays, device_arrays), table_width=table.shape[1], tuning=tuning)
+                     _uploads=_Uploads(host_arrays, device_arrays), table_width=table.shape[1], tuning=tuning,
+                     max_query_len=max_query_len, max_seq_len=max_seq_len)
 
 
 @dataclass(eq=False)

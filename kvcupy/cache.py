@@ -383,7 +383,8 @@ class PagedKVCache:
 
     def plan(self, seq_ids, query_lens=None) -> BatchPlan:
         """The checked metadata of attention over these sequences' newest tokens:
-        built once per step (until the pages change) and shared by every layer."""
+        built once per step (until the pages change) and shared by every layer.
+        Its max_query_len / max_seq_len hold the longest query run and sequence."""
         key = (tuple(seq_ids) if isinstance(seq_ids, (list, tuple)) else None,
                query_lens if query_lens is None or isinstance(query_lens, int) else tuple(query_lens))
         try:
@@ -399,9 +400,12 @@ class PagedKVCache:
                                  f"{seq_id!r}, which has {self._seq_lens[seq_id]} tokens")
         cu_seqlens_q = np.concatenate([[0], np.cumsum(query_lens, dtype=np.int64)]).astype(np.int32)
         seq_lens = np.array([self._seq_lens[s] for s in seq_ids], np.int32)
+        # The manager knows every length on the host: the bounds go with the plan
+        # (plan_batch checks them against the arrays) whatever device takes it.
         batch = plan_batch(block_table=self._batch_block_table(seq_ids), seq_lens=seq_lens,
                            cu_seqlens_q=cu_seqlens_q, block_size=self.block_size,
-                           num_blocks=self.num_blocks)
+                           num_blocks=self.num_blocks, max_query_len=max(query_lens, default=0) or None,
+                           max_seq_len=int(seq_lens.max(initial=0)) or None)
         if key[0] is not None:
             self._step_batches[key] = batch
         return batch

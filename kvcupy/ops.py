@@ -325,17 +325,21 @@ def _check_scalar(value, name: str, *, minimum: float, allow_equal: bool) -> flo
 
 
 def _batch(batch, arrays: CacheArrays, num_tokens: int, block_table, seq_lens, cu_seqlens_q,
-           validate: bool) -> BatchPlan:
+           max_query_len, max_seq_len, validate: bool) -> BatchPlan:
     if batch is None:
         if block_table is None or seq_lens is None:
             raise TypeError("paged_attention needs block_table and seq_lens (or batch=)")
         return plan_batch(block_table=block_table, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
                           block_size=arrays.block_size, num_blocks=arrays.num_blocks,
-                          num_query_tokens=num_tokens, validate=validate)
+                          num_query_tokens=num_tokens, max_query_len=max_query_len,
+                          max_seq_len=max_seq_len, validate=validate)
     if not isinstance(batch, BatchPlan):
         raise TypeError(f"batch must be a BatchPlan (kvcupy.plan_batch), got {type(batch).__name__}")
     if any(a is not None for a in (block_table, seq_lens, cu_seqlens_q)):
         raise TypeError("pass either batch= or block_table/seq_lens/cu_seqlens_q, not both")
+    if max_query_len is not None or max_seq_len is not None:
+        raise TypeError("max_query_len / max_seq_len go to kvcupy.plan_batch with the metadata they "
+                        "bound; batch= carries its own")
     if (batch.block_size, batch.num_blocks) != (arrays.block_size, arrays.num_blocks):
         raise ValueError(f"batch was planned for {batch.num_blocks} blocks of {batch.block_size}; "
                          f"the cache has {arrays.num_blocks} of {arrays.block_size}")
@@ -347,6 +351,7 @@ def _batch(batch, arrays: CacheArrays, num_tokens: int, block_table, seq_lens, c
 
 
 def paged_attention(query, cache: KVCache, *, block_table=None, seq_lens=None, cu_seqlens_q=None,
+                    max_query_len: int | None = None, max_seq_len: int | None = None,
                     batch: BatchPlan | None = None, softmax_scale: float | None = None,
                     sliding_window: int | None = None, softcap: float = 0.0, sinks=None,
                     out=None, validate: bool = False):
@@ -355,20 +360,27 @@ def paged_attention(query, cache: KVCache, *, block_table=None, seq_lens=None, c
     cu_seqlens_q [S+1] delimits each sequence's new tokens in `query` (None:
     one token per sequence, i.e. decode); seq_lens [S] are the sequences'
     lengths including those tokens; block_table [S, max_blocks] maps logical
-    to physical blocks. Instead of the three, `batch` (kvcupy.plan_batch) is
-    metadata checked and planned once for many layers. sinks [Hq]: one extra
+    to physical blocks. max_query_len / max_seq_len: Python ints that no
+    sequence's new query tokens / keys exceed, for metadata on a device (as
+    flash-attn's varlen call takes them): a GPU plans its work for them instead
+    of for the whole query and block table; checked where the host knows the
+    contents (host metadata, validate=True), trusted otherwise (a sequence that
+    breaks them gets an unspecified output). Instead of all these, `batch`
+    (kvcupy.plan_batch) is metadata checked and planned once for many layers,
+    and the form a CUDA graph can capture (after one call with it outside the
+    capture, which builds and uploads the plan). sinks [Hq]: one extra
     logit per query head that joins the softmax denominator without a value
     (gpt-oss). Returns [T, Hq, d] in the query's dtype and framework; written
     into `out` when given. validate=True also checks metadata that lives on a
     device (a synchronisation).
     """
     with interop.running_like(query):
-        return _paged_attention(query, cache, block_table, seq_lens, cu_seqlens_q, batch,
-                                softmax_scale, sliding_window, softcap, sinks, out, validate)
+        return _paged_attention(query, cache, block_table, seq_lens, cu_seqlens_q, max_query_len, max_seq_len,
+                                batch, softmax_scale, sliding_window, softcap, sinks, out, validate)
 
 
-def _paged_attention(query, cache: KVCache, block_table, seq_lens, cu_seqlens_q, batch,
-                     softmax_scale, sliding_window, softcap: float, sinks, out, validate: bool):
+def _paged_attention(query, cache: KVCache, block_table, seq_lens, cu_seqlens_q, max_query_len, max_seq_len,
+                     batch, softmax_scale, sliding_window, softcap: float, sinks, out, validate: bool):
     arrays = cache_arrays(cache)
     q = _float_array(query, "query")
     if q.ndim != 3 or q.shape[2] != arrays.head_size:
@@ -402,7 +414,8 @@ def _paged_attention(query, cache: KVCache, block_table, seq_lens, cu_seqlens_q,
         _writable(out_array)
         data.append(out_array)
     _on_cache_device(data, arrays)
-    plan = _batch(batch, arrays, q.shape[0], block_table, seq_lens, cu_seqlens_q, validate)
+    plan = _batch(batch, arrays, q.shape[0], block_table, seq_lens, cu_seqlens_q, max_query_len, max_seq_len,
+                  validate)
     plan.check_device(arrays.device)
 
     backend = backends.for_device(arrays.device, "cache")

@@ -1,6 +1,9 @@
 """A decode step (write, then attention) with its metadata on the device does not
 synchronise with the host: it is captured in a CUDA graph and replayed, with
-new tokens and lengths written into the same device buffers between replays."""
+new tokens and lengths written into the same device buffers between replays.
+Prefill and mixed batches replay as they run eagerly when their plan was built
+and run once before the capture; a call that would upload its plan during the
+capture is refused before it reaches the stream."""
 
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ if not backends.status("cuda").usable:
 
 import cupy  # noqa: E402
 
-from .test_attention import ATTENTION_BOUND  # noqa: E402
+from ..device_arrays import device_view  # noqa: E402
+from ..helpers import paged_batch  # noqa: E402
+from .test_attention import ATTENTION_BOUND, check, host_cache  # noqa: E402
 
 
 def host_copy(cache):
@@ -78,3 +83,183 @@ def test_decode_step_replays_from_a_cuda_graph(kv_dtype):
             actual = cupy.asnumpy(out).astype(np.float64)
             error = np.linalg.norm(actual - expected) / np.linalg.norm(expected)
             assert error <= ATTENTION_BOUND + 2.0 ** -12, f"step {step}: relative error {error:.2e}"
+
+
+# --- torch.cuda.graph: prefill and mixed batches, refusals, a whole decode step ----
+
+@pytest.fixture
+def torch_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    return torch
+
+
+def torch_cache(torch, cache):
+    """A CuPy-held cache as torch tensors over the same memory, as an engine holds it."""
+    tensors = (None if t is None else torch.from_dlpack(t) for t in cache.tensors())
+    return kc.wrap_cache(*tensors, kv_dtype=cache.kv_dtype, rotation=cache.rotation)
+
+
+def warmed(torch, call):
+    """Run call() once on a side stream, as torch asks before a capture: this first call
+    builds the plan, uploads it, compiles the kernels and allocates the workspace."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+BATCHES = {   # (sequence lengths, new query tokens)
+    "prefill": ([300, 77, 600], [300, 77, 600]),
+    "mixed": ([900, 150, 2000, 333], [1, 150, 1, 90]),   # two decode, a prompt, a chunk of one
+}
+
+
+@pytest.mark.parametrize("kind", BATCHES)
+@pytest.mark.parametrize("metadata", ["host", "device"])
+@pytest.mark.parametrize("kv_dtype", ["int4_per_token_head", "fp8_per_token_head"])
+def test_a_planned_batch_replays_from_a_torch_graph_as_it_runs_eagerly(torch_cuda, kind, metadata, kv_dtype):
+    """A plan built (plan_batch, host metadata or device metadata with its hints) and run
+    once before the capture: the captured call replays to the eager call's bytes, and
+    reads the query buffer as it is at each replay."""
+    torch = torch_cuda
+    rng = np.random.default_rng(1)
+    seq_lens, query_lens = BATCHES[kind]
+    batch = paged_batch(rng, seq_lens, query_lens, 16)
+    host = host_cache(rng, batch, kv_dtype, 128, 2, 16, np.float16, "default")
+    cache = torch_cache(torch, device_view(host))
+    num_heads = 8
+    index = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    hints = {}
+    if metadata == "device":
+        index = {name: torch.from_numpy(a).cuda() for name, a in index.items()}
+        hints = dict(max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+    plan = kc.plan_batch(**index, **hints, block_size=16, num_blocks=batch.num_blocks,
+                         num_query_tokens=batch.num_queries)
+    queries = [(rng.standard_normal((batch.num_queries, num_heads, 128)) * 2).astype(np.float16) for _ in range(2)]
+    query = torch.from_numpy(queries[0]).cuda()
+    eager, replayed = torch.empty_like(query), torch.full_like(query, float("nan"))
+
+    warmed(torch, lambda: kc.paged_attention(query, cache, batch=plan, out=eager))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kc.paged_attention(query, cache, batch=plan, out=replayed)
+    for step, values in enumerate(queries):
+        query.copy_(torch.from_numpy(values))
+        graph.replay()
+        kc.paged_attention(query, cache, batch=plan, out=eager)
+        torch.cuda.synchronize()
+        expected = reference.paged_attention(values, host, block_table=batch.block_table, seq_lens=batch.seq_lens,
+                                             cu_seqlens_q=batch.cu_seqlens_q)
+        check(f"{kind}, step {step}", eager.cpu().numpy().astype(np.float64), expected, np.float16)
+        assert replayed.cpu().numpy().tobytes() == eager.cpu().numpy().tobytes(), f"step {step}"
+
+
+@pytest.mark.parametrize("prepared", ["no plan", "plan never run"])
+def test_a_call_that_would_upload_its_plan_under_capture_is_refused(torch_cuda, prepared):
+    """Metadata as CUDA tensors and no plan run before the capture: the call would
+    upload its plan while the stream captures, which breaks the caller's graph. It is
+    refused before it reaches the stream: the rest of the capture replays."""
+    torch = torch_cuda
+    rng = np.random.default_rng(2)
+    batch = paged_batch(rng, [500, 64], [1, 64], 16)
+    cache = torch_cache(torch, device_view(host_cache(rng, batch, "int4_per_token_head", 128, 2, 16, np.float16,
+                                                      "default")))
+    index = {name: torch.from_numpy(a).cuda() for name, a in
+             dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q).items()}
+    hints = dict(max_query_len=64, max_seq_len=500)
+    if prepared == "plan never run":
+        index = dict(batch=kc.plan_batch(**index, **hints, block_size=16, num_blocks=batch.num_blocks))
+    else:
+        index.update(hints)
+    query = torch.ones((batch.num_queries, 8, 128), dtype=torch.float16, device="cuda")
+    out = torch.zeros_like(query)
+    counter = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=r"paged_attention would build and upload its plan while the stream is "
+                                           r"being captured: build the plan with kvcupy\.plan_batch"):
+        with torch.cuda.graph(graph):
+            counter.add_(1)
+            kc.paged_attention(query, cache, out=out, **index)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert counter.item() == 1 and not out.any()
+
+
+def test_a_decode_step_of_several_layers_replays_with_its_buffers_rewritten(torch_cuda):
+    """docs/design.md's recipe: a whole decode step (write and attention in every layer)
+    captured once over device buffers (block table, lengths, slot ids, K/V, query) that
+    the loop rewrites in place (copy_) before each replay, a sequence taking a new page
+    on the way. Each replay equals the same step run eagerly on a twin cache, to the byte
+    (outputs and caches)."""
+    torch = torch_cuda
+    rng = np.random.default_rng(3)
+    num_layers, num_seqs, num_kv_heads, num_heads, head_size, block_size = 3, 3, 2, 8, 128, 16
+    context, steps = 2 * block_size - 1, 3   # the second step writes into a third page
+    num_blocks = 3 * num_seqs + 2
+    table = np.zeros((num_seqs, 3), np.int32)
+    table[:, :2] = np.arange(2 * num_seqs).reshape(num_seqs, 2)
+    third_pages = rng.permutation(np.arange(2 * num_seqs, num_blocks))[:num_seqs]
+    positions = np.arange(context)
+    history_slots = torch.from_numpy((table[:, positions // block_size] * block_size
+                                      + positions % block_size).reshape(-1)).cuda()
+    twins = []
+    for _ in range(2):   # the captured caches, then the eager ones: the same history
+        layers = [kc.wrap_cache(*(None if t is None else torch.from_dlpack(t) for t in kc.allocate_cache(
+            num_blocks, block_size, num_kv_heads, head_size, device="cuda").tensors()),
+            kv_dtype="int4_per_token_head") for _ in range(num_layers)]
+        history = np.random.default_rng(4)
+        for layer in layers:
+            rows = torch.from_numpy(history.standard_normal((num_seqs * context, num_kv_heads, head_size))
+                                    .astype(np.float16)).cuda()
+            kc.reshape_and_cache(rows, rows, layer, history_slots)
+        twins.append(layers)
+
+    # The step's device buffers: written in place before every replay.
+    block_table = torch.from_numpy(table).cuda()
+    seq_lens = torch.zeros(num_seqs, dtype=torch.int32, device="cuda")
+    slot_mapping = torch.zeros(num_seqs, dtype=torch.int64, device="cuda")
+    keys = torch.zeros((num_layers, num_seqs, num_kv_heads, head_size), dtype=torch.float16, device="cuda")
+    values, queries = torch.zeros_like(keys), torch.zeros((num_layers, num_seqs, num_heads, head_size),
+                                                          dtype=torch.float16, device="cuda")
+    # The hint holds for every replay: the longest length any step reaches.
+    batch = kc.plan_batch(block_table=block_table, seq_lens=seq_lens, block_size=block_size,
+                          num_blocks=num_blocks, max_seq_len=context + steps)
+    slots = kc.plan_slots(slot_mapping, num_slots=num_blocks * block_size)
+    outs = [torch.zeros_like(queries) for _ in twins]
+
+    def fill(step):
+        position = context + step
+        if position // block_size == 2:
+            table[:, 2] = third_pages
+        slot_ids = table[:, position // block_size].astype(np.int64) * block_size + position % block_size
+        block_table.copy_(torch.from_numpy(table))
+        seq_lens.copy_(torch.full((num_seqs,), position + 1, dtype=torch.int32))
+        slot_mapping.copy_(torch.from_numpy(slot_ids))
+        for buffer in (keys, values, queries):
+            buffer.copy_(torch.from_numpy(rng.standard_normal(tuple(buffer.shape)).astype(np.float16)))
+
+    def decode_step(layers, out):
+        for layer, cache in enumerate(layers):
+            kc.reshape_and_cache(keys[layer], values[layer], cache, slots)
+            kc.paged_attention(queries[layer], cache, batch=batch, out=out[layer])
+
+    fill(0)
+    for layers, out in zip(twins, outs):
+        warmed(torch, lambda: decode_step(layers, out))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_step(twins[0], outs[0])
+    for step in range(steps):
+        fill(step)
+        graph.replay()
+        decode_step(twins[1], outs[1])
+        torch.cuda.synchronize()
+        assert outs[0].cpu().numpy().tobytes() == outs[1].cpu().numpy().tobytes(), f"step {step}"
+        assert not outs[0].isnan().any(), f"step {step}"
+        for layer, (captured, eager) in enumerate(zip(*twins)):
+            for a, b in zip(captured.tensors(), eager.tensors()):
+                assert a.cpu().numpy().tobytes() == b.cpu().numpy().tobytes(), f"step {step}, layer {layer}"

@@ -16,6 +16,13 @@ it itself (mma products with the rotation's fragments,
 `fragments.rotation_fragments`); with one split it also normalises, rotates
 back and writes `out`, so that a prompt is one launch; with several, the
 merge (and for kron the rotate kernel) follows as in decode.
+
+Under CUDA graph capture (the call's stream capturing) a call launches only:
+everything it would otherwise do on first use (upload the batch's metadata and
+the rotation's operands, allocate the workspace, load the kernels) or on every
+call (copy a strided query or out, convert sinks) is refused with a RuntimeError
+before anything reaches the stream (planner.CAPTURE_ADVICE says what to do), so
+the caller's graph is never broken by an upload or an allocation it cannot replay.
 """
 
 from __future__ import annotations
@@ -31,15 +38,18 @@ from .device import _rotation_on
 from .fragments import rotation_shift, rotation_stages
 from .kernels import KV_FP8, MERGE_SIGNATURE, MERGE_WARPS, PrefillKernel, dtype_code
 from .params import ATTENTION_PARAMS
-from .planner import Plan
+from .planner import Plan, capturing, refuse_under_capture
 from .write import rotate_rows
 
 
-def _buffer(plan: Plan, name: str, shape: tuple, device):
-    """A float32 buffer of one call's shape, made once per plan, name and shape."""
+def _buffer(plan: Plan, name: str, shape: tuple, device, captured: bool = False):
+    """A float32 buffer of one call's shape, made once per plan, name and shape
+    (`captured`: the stream is being captured, where making one is refused)."""
     import cupy
     key = (name, shape, device.index)
     if key not in plan.workspace:
+        if captured:
+            refuse_under_capture(f"allocate its {name} workspace for {shape}")
         with cupy.cuda.Device(device.index):
             plan.workspace[key] = cupy.zeros(shape, cupy.float32)
     return plan.workspace[key]
@@ -67,7 +77,7 @@ def _pair_aligned(array) -> bool:
             and array.strides[1] % (2 * size) == 0 and array.data.ptr % (2 * size) == 0)
 
 
-def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> dict:
+def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out, captured: bool = False) -> dict:
     """The prefill kernel's own Params fields (params.cuh: query_in .. direct).
 
     The kernel reads the caller's query and rotates it itself. With one split
@@ -77,7 +87,12 @@ def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out) -> d
     those go through the merge (which rotates back block by block)."""
     import cupy
     kernel, rotation = plan.kernel, cache.rotation
-    q = query.data if _pair_aligned(query.data) else cupy.ascontiguousarray(query.data)
+    aligned = _pair_aligned(query.data)
+    if captured and not aligned:
+        refuse_under_capture("copy a query whose rows do not start at a pair of elements")
+    q = query.data if aligned else cupy.ascontiguousarray(query.data)
+    if captured and (rotation, kernel.head_pad, kernel.kv) not in plan.rotations:
+        refuse_under_capture("upload the rotation's operands")
     forward, inverse = plan.rotation_operands(rotation, kernel.head_pad, kernel.kv, cache.device)
     shift = rotation_shift(rotation)
     norm = 1 if shift < 0 else rotation.norm
@@ -129,7 +144,7 @@ def _sign_operands(rotation, device) -> tuple:
     return _rotation_on(rotation, device.index), np.int32(sign_shift(rotation))
 
 
-def _decode_io(query, rotation, softmax_scale: float, signs: tuple) -> dict:
+def _decode_io(query, rotation, softmax_scale: float, signs: tuple, captured: bool = False) -> dict:
     """The decode kernel's own Params fields: where it reads the caller's query
     itself (_in_kernel_rotation), that query, how to scale it and `signs`
     (_sign_operands) to rotate it; otherwise a rotated float32 query comes as
@@ -137,19 +152,39 @@ def _decode_io(query, rotation, softmax_scale: float, signs: tuple) -> dict:
     import cupy
     fields = dict(signs=signs[0], sign_shift=int(signs[1]), out_factor=1.0, query_factor=1.0)
     if _in_kernel_rotation(rotation):
-        q = query.data if query.data.strides[2] == query.data.itemsize else cupy.ascontiguousarray(query.data)
+        contiguous = query.data.strides[2] == query.data.itemsize
+        if captured and not contiguous:
+            refuse_under_capture("copy a query without a contiguous last axis")
+        q = query.data if contiguous else cupy.ascontiguousarray(query.data)
         fields.update(query_in=q, q_token_stride=q.strides[0] // q.itemsize, q_head_stride=q.strides[1] // q.itemsize,
                       query_dtype=dtype_code(query.dtype),
                       query_factor=1.0 / query_divisor(rotation, softmax_scale))
     return fields
 
 
+def _check_prepared(plan: Plan, kernel, sinks, device, rotation) -> None:
+    """Under capture: the plan holds the attention build and the sign words this call
+    launches with (an earlier call outside the capture made them), and sinks need no
+    conversion; otherwise the RuntimeError of refuse_under_capture. The workspace,
+    the merge and the query's operands are checked where they are taken."""
+    if kernel not in plan.handles:
+        refuse_under_capture("load its attention kernel")
+    if ("signs", rotation) not in plan.rotations:
+        refuse_under_capture("upload the rotation's sign words")
+    if sinks is not None and (sinks.device != device or sinks.dtype != np.float32):
+        refuse_under_capture(f"copy sinks ({sinks.dtype} on {sinks.device}) to float32 on {device} "
+                             "(pass them so)")
+
+
 def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sliding_window,
                     softcap: float, sinks, out) -> None:
     import cupy
+    captured = capturing()
     if not out.data.flags.c_contiguous:
         # The merge (and the rotate kernel) write whole rows back to back: a strided
         # `out` gets them through a contiguous copy.
+        if captured:
+            refuse_under_capture("copy its result into a strided out (pass a contiguous one)")
         with cupy.cuda.Device(cache.device.index):
             rows = replace(out, data=cupy.empty(out.data.shape, out.data.dtype))
         paged_attention(query, cache, batch, plan, softmax_scale=softmax_scale, sliding_window=sliding_window,
@@ -161,32 +196,45 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
     rows = (num_tokens, num_heads, head_size)
     rotation = cache.rotation
     rotated = rotation is not None and not rotation.is_identity
+    if captured and not batch.uploaded(backend, device):
+        refuse_under_capture("upload the batch's metadata")
     arrays = batch.arrays(backend, device)
     kernel = plan.kernel
     prefill = isinstance(kernel, PrefillKernel)
     if prefill:
         kernel = plan.for_query(query.dtype, rotation, out.dtype)
     in_kernel = _in_kernel_rotation(rotation)
+    if captured:
+        _check_prepared(plan, kernel, sinks, device, rotation)
     with cupy.cuda.Device(device.index):
         sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
         # The decode kernel's and the merge's butterflies (null, -1: none, or kron).
-        signs = _sign_operands(rotation, device)
+        signs = plan.rotations.get(("signs", rotation))
+        if signs is None:
+            signs = plan.rotations[("signs", rotation)] = _sign_operands(rotation, device)
         if prefill:
-            io = _prefill_io(plan, query, cache, softmax_scale, sink_logits, out)
+            io = _prefill_io(plan, query, cache, softmax_scale, sink_logits, out, captured)
         else:
-            io = _decode_io(query, rotation, softmax_scale, signs)
+            io = _decode_io(query, rotation, softmax_scale, signs, captured)
         direct = bool(io.get("direct"))
-        query_rows = None
-        if not prefill and not in_kernel:
+        # Every buffer first, so that a refusal under capture comes before any launch.
+        query_rows = None if prefill or in_kernel else _buffer(plan, "query", rows, device, captured)
+        # Partial softmax states of every split (prefill with one split: `out` itself).
+        part_out = None if direct else _buffer(plan, "part_out", (plan.num_splits,) + rows, device, captured)
+        part_stats = None if direct else _buffer(plan, "part_stats", (plan.num_splits, num_tokens, num_heads, 2),
+                                                 device, captured)
+        target = None if direct else out.data if in_kernel else _buffer(plan, "out", rows, device, captured)
+        target_dtype = out.dtype if in_kernel else np.dtype(np.float32)   # out.data: raw storage of bf16
+        if captured and not direct and ("merge_splits", target_dtype) not in plan.functions:
+            refuse_under_capture("load its merge kernel")
+        if captured and query_rows is not None and not query.data.flags.c_contiguous:
+            refuse_under_capture("copy a strided query for the rotate kernel")
+        if query_rows is not None:
             # 1. The query in float32, rotated (kron), scaled (softmax scale, rotation norm).
-            query_rows = _buffer(plan, "query", rows, device)
             rotate_rows(query.data.reshape(-1, head_size), query_rows.reshape(-1, head_size),
                          rotation, inverse=False, divisor=query_divisor(rotation, softmax_scale),
                          x_dtype=query.dtype, out_dtype=np.dtype(np.float32))
-        # 2. Partial softmax states of every split (prefill with one split: `out` itself).
-        part_out = None if direct else _buffer(plan, "part_out", (plan.num_splits,) + rows, device)
-        part_stats = None if direct else _buffer(plan, "part_stats", (plan.num_splits, num_tokens, num_heads, 2),
-                                                 device)
+        # 2. The attention grid.
         has_scales = cache.k_scale_cache is not None
         code_unit = 256.0 if kernel.kv == KV_FP8 else 1.0
         table = arrays["block_table"]
@@ -212,8 +260,6 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             return
         # 3. Merge the splits (and the sinks), rotating back into `out` (none or
         # blockdiag); 4. a kron plan's rotate launch.
-        target = out.data if in_kernel else _buffer(plan, "out", rows, device)
-        target_dtype = out.dtype if in_kernel else np.dtype(np.float32)   # out.data: raw storage of bf16
         split_warps = merge_split_warps(plan.num_splits)
         merge_grid = (-(-num_tokens * num_heads * split_warps // MERGE_WARPS),)
         merge_args = (part_out, part_stats, sink_logits if sink_logits is not None else null,

@@ -293,25 +293,70 @@ class Plan:
         return kernel
 
 
-def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) -> Plan:
+CAPTURE_ADVICE = ("build the plan with kvcupy.plan_batch(...) and make one call with batch= before the capture "
+                  "(it uploads the plan and allocates its workspace), then pass the same batch= to the captured calls")
+
+
+_CAPTURE_IMPLICIT = 906   # cudaErrorStreamCaptureImplicit
+
+
+def capturing() -> bool:
+    """Whether CuPy's current stream (a call's own, inside interop.running_on) is being
+    captured into a CUDA graph. CUDA answers cudaErrorStreamCaptureImplicit for the
+    legacy stream while another stream captures in a mode that work on it would
+    break: that counts as capturing too. (A capture an error has invalidated
+    already raises CuPy's own RuntimeError, which says so.)"""
     import cupy
-    tuning = DEFAULT_TUNING if batch.tuning is None else batch.tuning
-    if not isinstance(tuning, Tuning):
-        raise TypeError(f"tuning={tuning!r}: the CUDA backend takes a kvcupy.backends.cuda.tuning.Tuning")
+    runtime = cupy.cuda.runtime
+    stream = cupy.cuda.get_current_stream().ptr
+    try:
+        return bool(runtime.streamIsCapturing(stream))
+    except runtime.CUDARuntimeError as error:
+        if error.status == _CAPTURE_IMPLICIT:
+            return True
+        raise
+
+
+def refuse_under_capture(what: str) -> None:
+    """RuntimeError, before anything reaches the stream, where a call would `what`
+    (an upload, an allocation, a compile) while its stream is being captured: a
+    host-to-device copy there invalidates the caller's graph."""
+    if capturing():
+        raise RuntimeError(f"paged_attention would {what} while the stream is being captured: {CAPTURE_ADVICE}")
+
+
+@dataclass(frozen=True)
+class Work:
+    """What plan_attention decides, on the host: the build, the (sequence, row tile)
+    work items in launch order, the splits and keys a split, the KV head groups."""
+
+    kernel: Kernel | PrefillKernel
+    tiles: np.ndarray        # int32 [num_tiles, 2]
+    num_splits: int
+    split_tokens: int
+    head_groups: int
+
+
+def plan_work(batch, cache, num_query_heads: int, num_query_tokens: int, capability: int, sms: int,
+              tuning: Tuning = DEFAULT_TUNING) -> Work:
+    """plan_attention's choices for a GPU of compute capability `capability` with `sms`
+    multiprocessors, from what the host knows of the batch: the query lengths and
+    sequence lengths where it holds them, else the batch's bounds (BatchPlan.bounds:
+    the caller's max_query_len / max_seq_len, else the whole query and block table).
+    Each sequence counts at the bound where its own length is unknown, so a batch of
+    equal sequences is planned alike from host metadata and from device metadata
+    with exact hints."""
     if cache.block_size & (cache.block_size - 1):
         # attention.cuh finds a token's page and slot by shift and mask.
         raise ValueError(f"block_size={cache.block_size}: the CUDA attention kernels need a power of two "
                          "(the CPU backend takes any block size)")
-    device = cache.device
     group = num_query_heads // cache.num_kv_heads
     kv = kv_code(cache)
-    host = batch.host
-    # Lengths on a device: plan for the longest sequence the block table allows.
-    longest = int(host["seq_lens"].max(initial=1)) if host is not None else batch.table_width * batch.block_size
+    max_query_len, longest = batch.bounds(num_query_tokens)
+    seq_lens = batch.host_seq_lens
     offsets = batch.host_query_offsets
     query_lens = None if offsets is None else np.diff(offsets)
-    max_rows = group * (int(query_lens.max(initial=1)) if query_lens is not None else num_query_tokens)
-    capability = _compute_capability(device)
+    max_rows = group * max_query_len
     kernel = _choose_kernel(cache, kv, max_rows, capability, tuning)
     if max_rows >= tuning.prefill_min_rows and kernel.head_pad <= PREFILL_MAX_HEAD_PAD:
         rotated = cache.rotation is not None and not cache.rotation.is_identity
@@ -323,21 +368,19 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
         seqs = np.repeat(np.arange(batch.num_seqs), row_tiles)
         within = np.arange(len(seqs)) - np.repeat(np.cumsum(row_tiles) - row_tiles, row_tiles)
     else:
-        per_seq = max(1, -(-num_query_tokens * group // rows_per_tile))
+        per_seq = max(1, -(-max_query_len * group // rows_per_tile))
         seqs = np.repeat(np.arange(batch.num_seqs), per_seq)
         within = np.tile(np.arange(per_seq), batch.num_seqs)
     keys_seen = None
-    if isinstance(kernel, PrefillKernel) and host is not None and query_lens is not None:
+    if isinstance(kernel, PrefillKernel):
         # The blocks that see the most keys first, so that the last wave is short ones.
-        keys_seen = (host["seq_lens"][seqs] - query_lens[seqs]
-                     + np.minimum((within + 1) * rows_per_tile, query_lens[seqs] * group) // group)
+        lens = longest if seq_lens is None else seq_lens[seqs]
+        runs = max_query_len if query_lens is None else query_lens[seqs]
+        keys_seen = lens - runs + np.minimum((within + 1) * rows_per_tile, runs * group) // group
         order = np.argsort(-keys_seen, kind="stable")
         seqs, within, keys_seen = seqs[order], within[order], keys_seen[order]
     tiles = np.stack([seqs, within], axis=1).astype(np.int32).reshape(-1, 2)
     head_groups = cache.num_kv_heads // kernel.kv_heads_per_block
-
-    with cupy.cuda.Device(device.index):
-        sms = cupy.cuda.Device(device.index).attributes["MultiProcessorCount"]
 
     def split_keys(kernel: Kernel) -> tuple[int, int]:
         most = min(tuning.max_splits, max(1, -(-longest // (tuning.min_tiles_per_split * kernel.tile))))
@@ -351,7 +394,25 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
         return -(-longest // split_tokens), split_tokens
 
     kernel, splits, split_tokens = _fit_tile_to_splits(kernel, split_keys, tuning)
-    return Plan(kernel, _upload(tiles, device), len(tiles), splits, split_tokens, head_groups,
+    return Work(kernel, tiles, splits, split_tokens, head_groups)
+
+
+def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) -> Plan:
+    """plan_work on this GPU, its work items uploaded. Refused while the call's stream
+    is being captured (the upload would break the graph): a plan is built once,
+    before any capture (CAPTURE_ADVICE)."""
+    import cupy
+    tuning = DEFAULT_TUNING if batch.tuning is None else batch.tuning
+    if not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning={tuning!r}: the CUDA backend takes a kvcupy.backends.cuda.tuning.Tuning")
+    refuse_under_capture("build and upload its plan")
+    device = cache.device
+    capability = _compute_capability(device)
+    with cupy.cuda.Device(device.index):
+        sms = cupy.cuda.Device(device.index).attributes["MultiProcessorCount"]
+    work = plan_work(batch, cache, num_query_heads, num_query_tokens, capability, sms, tuning)
+    return Plan(work.kernel, _upload(work.tiles, device), len(work.tiles), work.num_splits, work.split_tokens,
+                work.head_groups,
                 dependent_launch=tuning.dependent_launch and capability >= launch.MIN_COMPUTE_CAPABILITY)
 
 
