@@ -187,6 +187,11 @@ class PagedCache(Cache):
         if dtype not in _TORCH_DTYPE_NAMES:
             raise TypeError(f"the model computes in {parameter.dtype}; kvcupy takes {list(_TORCH_DTYPE_NAMES)}")
         device = parameter.device
+        if kv_dtype == "auto" and dtype == "float32" and device.type != "cpu":
+            # The GPU attention kernels read 16-bit or quantized rows (tensor-core operands).
+            raise ValueError(f"kv_dtype='auto' stores the model's float32 rows, which kvcupy attends over on the "
+                             f"CPU only; on {device.type}, run the model in float16 or bfloat16 or take a "
+                             "quantized kv_dtype")
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.manager = PagedKVCache(

@@ -49,11 +49,14 @@ QK_SHARPEN = 4.0
 # logit margins, so these are larger than trained models show.
 LOGITS_BOUND = {"auto": 1e-5, "int8_per_token_head": 0.04, "fp8_per_token_head": 0.13,
                 "int4_per_token_head": 0.5}
-# On a GPU the attention kernels' products take fp16 operands (a float32 query as
-# two fp16 terms, float32 cache rows and probabilities rounded): attention within
-# 2e-3 of exact (tests/gpu/test_attention.py), which the logits inherit. There a
-# greedy token may flip where the reference's top two logits lie closer than that.
+# On a GPU "auto" runs the model in float16 (the kernels attend over 16-bit or
+# quantized rows): both sides read the same fp16 rows, and what differs is the
+# kernels' fp16 probabilities (2^-11 relative) and fp32 sums in another order,
+# attention within 2e-3 of exact (tests/gpu/test_attention.py), which the logits
+# inherit. A greedy token may flip where the reference's top two logits lie
+# closer than that.
 AUTO_BOUND_GPU = 5e-3
+AUTO_MODEL_DTYPE = {"cpu": torch.float32, "cuda": torch.float16}
 QUANTIZED = ("int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
 
 _COMMON = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=512, pad_token_id=0,
@@ -118,7 +121,7 @@ REFERENCE_ATTENTION = {"gemma2": "eager", "gpt_oss": "eager"}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def build_model(name: str, device: str = "cpu"):
+def build_model(name: str, device: str = "cpu", dtype=torch.float32):
     """The family's model with seeded random weights, attention sharpened, on `device`."""
     model_class, config = MODELS[name]()
     torch.manual_seed(0)
@@ -136,7 +139,7 @@ def build_model(name: str, device: str = "cpu"):
             elif hasattr(module, "qkv_proj"):   # Phi-3: [q; k; v] rows
                 rows = (config.num_attention_heads + config.num_key_value_heads) * module.head_dim
                 module.qkv_proj.weight[:rows].mul_(QK_SHARPEN)
-    return model.to(device)
+    return model.to(device, dtype)
 
 
 def padded_prompts(device: str = "cpu"):
@@ -241,7 +244,7 @@ def measured(request):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_auto_cache_generates_the_reference_tokens(name, device, measured):
     require_device(device)
-    model = build_model(name, device)
+    model = build_model(name, device, AUTO_MODEL_DTYPE[device])
     expected = reference(model, name, device)
     result = generate(model, "kvcupy", PagedCache(model, "auto"), device)
     assert_same_tokens(result, expected, f"{name} on {device}", device)
@@ -274,7 +277,7 @@ def test_quantized_cache_logits_error_is_bounded(name, device, measured, record_
 def test_chunked_prefill_generates_the_reference_tokens(name, device):
     """generate's prefill_chunk_size: 4-token chunks, the short rows' first chunks all padding."""
     require_device(device)
-    model = build_model(name, device)
+    model = build_model(name, device, AUTO_MODEL_DTYPE[device])
     expected = reference(model, name, device)
     force = LogitsProcessorList([ForceTokens(expected.sequences)])
     result = generate(model, "kvcupy", PagedCache(model, "auto"), device, prefill_chunk_size=4,

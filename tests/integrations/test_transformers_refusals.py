@@ -14,7 +14,7 @@ from transformers import DynamicCache  # noqa: E402
 import kvcupy as kc  # noqa: E402
 from kvcupy.integrations.transformers import PagedCache  # noqa: E402
 
-from .test_transformers_generate import build_model, padded_prompts  # noqa: E402
+from .test_transformers_generate import MODELS, build_model, padded_prompts  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +117,14 @@ def test_reset_frees_every_page(model):
     cache.reset()
     assert cache.manager.stats().pages_used == 0 and cache.get_seq_length() == 0
     forward(model, cache, input_ids, attention_mask)          # and the cache serves a new batch
+
+
+def test_float32_rows_off_the_cpu_are_refused():
+    """The GPU kernels attend over 16-bit or quantized rows: an auto cache of a float32
+    model on a GPU is refused when made, naming the ways out (a meta-device model
+    stands in for a GPU one: the check reads only where the parameters live)."""
+    model_class, config = MODELS["llama3"]()
+    with torch.device("meta"):
+        on_meta = model_class(config)
+    with pytest.raises(ValueError, match="float16 or bfloat16 or take a quantized kv_dtype"):
+        PagedCache(on_meta, "auto")
