@@ -1,5 +1,5 @@
 """The warpgroup products of the prefill kernel's sm_90a build (kernels_cu/wgmma.cuh),
-through kernels_cu/wgmma_check.cu, against NumPy.
+through tests/gpu/kernels/wgmma_check.cu (a test kernel, not shipped), against NumPy.
 
 The operands are small integers (|x| <= 8) and 2^-k multiples that fp16 holds
 exactly, and every product and partial sum is exact in fp32: the results must
@@ -8,6 +8,8 @@ stride is which.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +26,8 @@ import cupy  # noqa: E402
 
 from kvcupy import jit  # noqa: E402
 
+TEST_KERNELS = Path(__file__).parent / "kernels"
+
 if cupy.cuda.Device().compute_capability != "90":
     pytest.skip("wgmma needs an sm_90 GPU", allow_module_level=True)
 
@@ -33,7 +37,7 @@ def operands(rng, shape):
 
 
 def launch(name, a, b, swap):
-    kernel = jit.get_function("wgmma_check", name, {}, arch="sm_90a")
+    kernel = jit.get_function("wgmma_check", name, {}, arch="sm_90a", root=TEST_KERNELS)
     out = cupy.zeros((64, 64), cupy.float32)
     kernel((1,), (128,), (cupy.asarray(a.view(np.uint16)), cupy.asarray(b.view(np.uint16)), out, np.int32(swap)))
     return cupy.asnumpy(out)

@@ -324,30 +324,31 @@ def test_check_command_reports_and_fails_with_the_log(kernels, monkeypatch):
 
 
 def test_check_builds_arch_specific_kernels_for_their_base_arch_only(monkeypatch, cache_root):
-    """A specialisation that needs sm_90a (the prefill kernel's wgmma build) is built
-    for sm_90a when the check asks for sm_90, and not at all for sm_80."""
+    """A specialisation that needs sm_90a (such as the prefill kernel's wgmma build) is
+    built for sm_90a when the check asks for sm_90, and not at all for sm_80."""
     from typer.testing import CliRunner
 
     from cli.app import app
     from kvcupy.backends.cuda import specs as cuda_specs
 
-    def wgmma_probe(all: bool):
-        return [cuda_specs.Specialisation("wgmma_check", ("wgmma_scores", "wgmma_values"), {}, "sm_90a")]
+    def sm_90a_probe(all: bool):
+        return [cuda_specs.Specialisation("selftest", ("kvc_selftest_scale",),
+                                          {"KVC_SELFTEST_T": "float", "KVC_SELFTEST_SCALE": 2}, "sm_90a")]
 
-    monkeypatch.setattr(cuda_specs, "FAMILIES", (cuda_specs.selftest_specialisations, wgmma_probe))
+    monkeypatch.setattr(cuda_specs, "FAMILIES", (cuda_specs.selftest_specialisations, sm_90a_probe))
     monkeypatch.setenv(jit.CACHE_DIR_ENV, str(cache_root))
     monkeypatch.delenv(jit.SOURCE_DIR_ENV, raising=False)
     passed = CliRunner().invoke(app, ["check", "--arch", "sm_80,sm_90", "--json"])
     assert passed.exit_code == 0, passed.output
     built = {(row["entry"], row["arch"]) for row in json.loads(passed.stdout)["results"]}
-    assert built == {("selftest", "sm_80"), ("selftest", "sm_90"), ("wgmma_check", "sm_90a")}
+    assert built == {("selftest", "sm_80"), ("selftest", "sm_90"), ("selftest", "sm_90a")}
 
 
-def test_check_compiles_the_kernels_and_defines_asked_for(monkeypatch, cache_root):
+def test_check_compiles_the_kernels_and_defines_asked_for(kernels, monkeypatch, cache_root):
     """--kernel and --define keep the specialisations that have those kernels and
     values (a cache filled for one model's builds); a name that is no kernel, a
     define that is not NAME=VALUE or a selection of nothing is refused, compiling
-    nothing."""
+    nothing. (A two-kernel probe entry: asking for one of its kernels builds both.)"""
     from typer.testing import CliRunner
 
     from cli.app import app
@@ -358,12 +359,17 @@ def test_check_compiles_the_kernels_and_defines_asked_for(monkeypatch, cache_roo
                                           {"KVC_SELFTEST_T": value_type, "KVC_SELFTEST_SCALE": scale})
                 for value_type in ("kvc::half", "float") for scale in (2, 3)]
 
-    def wgmma_probe(all: bool):
-        return [cuda_specs.Specialisation("wgmma_check", ("wgmma_scores", "wgmma_values"), {}, "sm_90a")]
+    for name in ("selftest.cu", "types.cuh"):
+        (kernels / name).write_text((REPO / "kernels_cu" / name).read_text())
+    (kernels / "probe.cu").write_text('extern "C" __global__ void probe_first(int* x) { x[0] = 1; }\n'
+                                      'extern "C" __global__ void probe_second(int* x) { x[0] = 2; }\n')
 
-    monkeypatch.setattr(cuda_specs, "FAMILIES", (scales, wgmma_probe))
+    def two_kernel_probe(all: bool):
+        return [cuda_specs.Specialisation("probe", ("probe_first", "probe_second"), {}, "sm_90a")]
+
+    monkeypatch.setattr(cuda_specs, "FAMILIES", (scales, two_kernel_probe))
     monkeypatch.setenv(jit.CACHE_DIR_ENV, str(cache_root))
-    monkeypatch.delenv(jit.SOURCE_DIR_ENV, raising=False)
+    monkeypatch.setenv(jit.SOURCE_DIR_ENV, str(kernels))
 
     def built(*options):
         result = CliRunner().invoke(app, ["check", "--arch", "sm_90", "--json", *options])
@@ -371,10 +377,10 @@ def test_check_compiles_the_kernels_and_defines_asked_for(monkeypatch, cache_roo
         return sorted((row["function"], row["defines"].get("KVC_SELFTEST_T"), row["defines"].get("KVC_SELFTEST_SCALE"))
                       for row in json.loads(result.stdout)["results"])
 
-    assert built("--kernel", "wgmma_values") == [("wgmma_scores", None, None), ("wgmma_values", None, None)]
+    assert built("--kernel", "probe_second") == [("probe_first", None, None), ("probe_second", None, None)]
     assert built("--define", "KVC_SELFTEST_SCALE=3") == [("kvc_selftest_scale", "float", "3"),
                                                        ("kvc_selftest_scale", "kvc::half", "3")]
-    assert built("--kernel", "kvc_selftest_scale,wgmma_scores", "--define", "KVC_SELFTEST_T=float",
+    assert built("--kernel", "kvc_selftest_scale,probe_first", "--define", "KVC_SELFTEST_T=float",
                  "--define", "KVC_SELFTEST_SCALE=2") == [("kvc_selftest_scale", "float", "2")]
     for options, named in ((["--kernel", "paged_attention"], "--kernel"), (["--define", "KVC_SELFTEST_T"], "--define"),
                            (["--define", "KVC_SELFTEST_SCALE=5"], "--define")):

@@ -177,8 +177,6 @@ def attention_specialisations(all: bool) -> list[Specialisation]:
                     if isinstance(kernel, PrefillKernel) and kernel.rotated]
     found += [Specialisation("attention", (kernel.entry,), kernel.defines, kernel.arch)
               for kernel in kernels]
-    # The wgmma operand-layout probes of tests/gpu/test_wgmma.py.
-    found.append(Specialisation("wgmma_check", ("wgmma_scores", "wgmma_values"), {}, "sm_90a"))
     return found
 
 

@@ -3,8 +3,8 @@
 // (128 threads), sm_90a builds only. `swap` exchanges a descriptor's two
 // strides: the test shows that the product then goes wrong, i.e. that it
 // pins which stride is which.
-#include "ptx.cuh"   // fence_proxy_async
-#include "wgmma.cuh"
+#include "../../../kernels_cu/ptx.cuh"   // fence_proxy_async
+#include "../../../kernels_cu/wgmma.cuh"
 
 using kvc::u16;
 using kvc::u32;
