@@ -12,23 +12,6 @@ using i64 = long long;
 __host__ __device__ constexpr int log2_of(int n) { return n <= 1 ? 0 : 1 + log2_of(n / 2); }
 __host__ __device__ constexpr bool is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
 
-// min / max that return NaN when either operand is NaN (PTX ISA 7.0, sm_80):
-// a vector's range then carries any NaN or inf, which is the non-finite test.
-// A build that cannot take PTX inline assembly (HIP, a host emulation)
-// defines KVC_NO_PTX and supplies them itself.
-#ifndef KVC_NO_PTX
-__device__ __forceinline__ float min_nan(float a, float b) {
-    float r;
-    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float max_nan(float a, float b) {
-    float r;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-#endif
-
 // --- storage types --------------------------------------------------------
 // Scalar<T>: how a model or cache dtype travels in registers (Bits, zero-extended
 // in a u32) and converts; types.cuh's conversions round to nearest even, as
@@ -159,25 +142,25 @@ __device__ __forceinline__ void to_run(const float* values, Words<N * sizeof(typ
 }
 
 // --- lanes that hold one vector -------------------------------------------
-// LANES consecutive lanes of a warp (a power of two) share one vector.
+// LANES consecutive lanes of a wave (a power of two) share one vector.
 // Shuffles stay inside the group (width = LANES), and the mask names only
 // its lanes, so a group whose token is padding may leave early.
 template <int LANES>
 struct LaneGroup {
     static_assert(is_pow2(LANES) && LANES <= 32, "a vector spans a power of two of lanes, at most a warp");
-    u32 mask;
+    LaneMask mask;
     int rank;   // this lane's place in the group
 
     __device__ __forceinline__ LaneGroup() {
-        const int lane = threadIdx.x & 31;
+        const int lane = lane_in_wave();
         rank = lane & (LANES - 1);
-        mask = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1u) << (lane & ~(LANES - 1));
+        mask = segment_lanes<LANES>(lane);
     }
     template <class T>
     __device__ __forceinline__ T exchange(T value, int lane_mask) const {
-        return __shfl_xor_sync(mask, value, lane_mask, LANES);
+        return exchange_lanes(mask, value, lane_mask, LANES);
     }
-    __device__ __forceinline__ void sync() const { __syncwarp(mask); }
+    __device__ __forceinline__ void sync() const { sync_lanes(mask); }
     __device__ __forceinline__ float min(float v) const {
 #pragma unroll
         for (int o = 1; o < LANES; o *= 2) v = min_nan(v, exchange(v, o));

@@ -2,14 +2,18 @@
 // the blockdiag butterflies it and the decode kernel share.
 #pragma once
 
-#include "ptx.cuh"
 #include "types.cuh"
+#ifndef KVC_NO_PTX
+#include "ptx.cuh"   // wait_for_prerequisites, allow_dependent_launch (kernels_hip/hip_compat.h's without PTX)
+#endif
 
 namespace kvc_attn {
 
 using namespace kvc;
 
 // --- blockdiag butterflies on rows a warp holds ---------------------------------
+// A warp here is 32 lanes: a CUDA warp, or half of a 64-lane wave (each half
+// serves its own row; shuffles of width 32 stay in their half).
 
 // H_b (b = 2^shift, the host's log2 b, uniform) on every block of b channels
 // of ROWS rows, lane l holding channels l + 32 k of each (v[r][k]): in
@@ -29,7 +33,7 @@ __device__ __forceinline__ void warp_butterflies(float (&v)[ROWS][SLOTS], int la
       for (int r = 0; r < ROWS; ++r)
 #pragma unroll
         for (int k = 0; k < SLOTS; ++k) {
-          const float other = __shfl_xor_sync(0xffffffffu, v[r][k], h);
+          const float other = exchange_lanes(segment_lanes<32>(lane_in_wave()), v[r][k], h, 32);
           v[r][k] = upper ? other - v[r][k] : v[r][k] + other;
         }
     } else {
@@ -70,6 +74,7 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
   __shared__ float weights[kMergeWarps][kMergeMaxSplits];
   __shared__ float partial[kMergeWarps][32 * kMergeSlots];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const LaneMask warp_lanes = segment_lanes<32>(lane_in_wave());   // this warp's lanes of its wave
   const int phase = warp & (split_warps - 1);   // < num_splits (host)
   const long long rows = static_cast<long long>(num_tokens) * num_heads;
   const long long row = static_cast<long long>(blockIdx.x) * (kMergeWarps / split_warps) + warp / split_warps;
@@ -99,7 +104,7 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
 
     float peak = own.x;
     for (int s = lane + 32; s < num_splits; s += 32) peak = fmaxf(peak, stats[s * rows + row].x);
-    for (int offset = 16; offset >= 1; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, offset));
+    for (int offset = 16; offset >= 1; offset /= 2) peak = fmaxf(peak, exchange_lanes(warp_lanes, peak, offset, 32));
     peak = fmaxf(peak, sink);
     const float shift = peak == -KVC_INFINITY ? 0.f : peak;
     for (int s = lane; s < num_splits; s += 32) {
@@ -108,9 +113,9 @@ __device__ void merge_splits(const float* part_out, const float* part_stats, con
       total += state.y * weight;
       weights[warp][s] = weight;   // NaN for a NaN state
     }
-    for (int offset = 16; offset >= 1; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+    for (int offset = 16; offset >= 1; offset /= 2) total += exchange_lanes(warp_lanes, total, offset, 32);
     if (has_sink) total += expf(sink - shift);
-    __syncwarp();
+    sync_lanes(warp_lanes);
     // A split that saw nothing of this row (weight 0) adds nothing, whatever it holds.
     const float first_weight = weights[warp][phase];
 #pragma unroll

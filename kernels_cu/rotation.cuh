@@ -196,7 +196,7 @@ __device__ __forceinline__ void mix_rows(double (&v)[Layout::kValues], const u32
         // once and keeps them live (across the K and V transforms too), which
         // costs hundreds of registers for m = 20, 28.
 #pragma unroll
-        for (int r = 0; r < Layout::kRows; ++r) asm volatile("" : "+r"(negative[r]));
+        for (int r = 0; r < Layout::kRows; ++r) opaque_register(negative[r]);
         double mixed[Layout::kRows];
 #pragma unroll
         for (int r = 0; r < Layout::kRows; ++r) {

@@ -11,6 +11,11 @@ every byte of the entry and of every header it includes with `#include "..."`
 header never serves a stale binary (CuPy's own cache key ignores headers). A
 JSON sidecar beside each cubin records what was built and what ptxas reported.
 Loaded modules are memoised per device in memory.
+
+On ROCm the same scheme builds `kernels_hip/<entry>.hip` with hipRTC (CuPy for
+ROCm binds it as `cupy.cuda.nvrtc`) for the device's gfx arch: code objects in
+`cache_dir()/hiprtc-<version>/<gfx arch>/`, keyed as above with the HIP runtime
+and hipRTC versions in the hash (`compile_hip_entry`, `get_hip_function`).
 """
 
 from __future__ import annotations
@@ -59,10 +64,10 @@ class CompileResult:
 
 
 class CompileError(RuntimeError):
-    """NVRTC rejected a specialisation; `log` is NVRTC's program log."""
+    """NVRTC (or hipRTC, `compiler`) rejected a specialisation; `log` is its program log."""
 
-    def __init__(self, key: str, options: tuple, log: str):
-        super().__init__(f"NVRTC could not compile {key} (options: {' '.join(options)}):\n{log}")
+    def __init__(self, key: str, options: tuple, log: str, compiler: str = "NVRTC"):
+        super().__init__(f"{compiler} could not compile {key} (options: {' '.join(options)}):\n{log}")
         self.key = key
         self.options = options
         self.log = log
@@ -99,13 +104,14 @@ def _read_source(path: Path) -> tuple[str, tuple[str, ...]]:
     return found
 
 
-def _resolve_include(name: str, including: Path, root: Path) -> Path | None:
-    """Where NVRTC finds `#include "name"`: beside the including file, then in -I<root>.
+def _resolve_include(name: str, including: Path, *roots: Path) -> Path | None:
+    """Where NVRTC (hipRTC) finds `#include "name"`: beside the including file, then in
+    each -I<root> in order.
 
-    None for a header that is not ours (e.g. a quoted CUDA header): NVRTC
-    supplies it, and the NVRTC version in the key covers it.
+    None for a header that is not ours (e.g. a quoted CUDA header): the compiler
+    supplies it, and its version in the key covers it.
     """
-    for base in (including.parent, root):
+    for base in (including.parent, *roots):
         candidate = (base / name).resolve()
         if candidate.is_file():
             return candidate
@@ -122,17 +128,23 @@ def source_files(entry: str, root: Path | None = None) -> dict[str, str]:
     entry_path = root / f"{entry}.cu"
     if not entry_path.is_file():
         raise FileNotFoundError(f"no kernel entry {entry!r}: {entry_path} does not exist")
+    return _included_files(entry_path, (root,), lambda path: os.path.relpath(path, root))
+
+
+def _included_files(entry_path: Path, roots: tuple[Path, ...], name_of) -> dict[str, str]:
+    """name_of(path) -> sha256 of `entry_path` and every file it includes, transitively,
+    searching `roots` as the compiler's -I folders."""
     digests: dict[str, str] = {}
     pending = [entry_path.resolve()]
     while pending:
         path = pending.pop()
-        name = os.path.relpath(path, root)
+        name = name_of(path)
         if name in digests:
             continue
         digest, includes = _read_source(path)
         digests[name] = digest
         for include in includes:
-            resolved = _resolve_include(include, path, root)
+            resolved = _resolve_include(include, path, *roots)
             if resolved is not None:
                 pending.append(resolved)
     return dict(sorted(digests.items()))
@@ -429,4 +441,192 @@ def get_function(entry: str, function: str, defines: Defines, arch: str | None =
         module = cupy.RawModule(path=str(result.path))
         with _lock:
             module = _modules.setdefault(memo_key, module)
+    return module.get_function(function)
+
+
+# ---------------------------------------------------------------- HIP (ROCm): hipRTC
+
+# The rocm backend's portable kernels: kernels_hip/<entry>.hip, compiled by hipRTC
+# through CuPy for ROCm (its `cupy.cuda.nvrtc` binds hipRTC there). The entries
+# include headers of kernels_cu/ too, so both folders are -I folders, kernels_hip first.
+HIP_SOURCE_DIR_ENV = "KVCUPY_HIP_KERNEL_DIR"
+HIP_SUFFIX = ".hip"
+# No contraction: the cache's bytes follow the format's separate roundings, and clang's
+# HIP default fuses a product and a sum into one FMA (hip_compat.h says the same).
+HIP_BASE_OPTIONS = ("-std=c++17", "-O3", "-ffp-contract=off")
+HIPRTC_OPTIONS_ENV = "KVCUPY_HIPRTC_OPTIONS"
+# As EXTRA_OPTIONS, for hipRTC: NVRTC's options mean nothing to it, so they have their own variable.
+HIP_EXTRA_OPTIONS: tuple[str, ...] = tuple(os.environ.get(HIPRTC_OPTIONS_ENV, "").split())
+# How the key names each include folder's files: fixed labels, so a source override
+# ($KVCUPY_HIP_KERNEL_DIR, $KVCUPY_KERNEL_DIR) keeps the names of the files it holds.
+_HIP_ROOT_LABELS = ("kernels_hip", "kernels_cu")
+
+
+def hip_source_dir() -> Path:
+    """kernels_hip/: $KVCUPY_HIP_KERNEL_DIR, else inside the package (a wheel), else beside it (a checkout)."""
+    override = os.environ.get(HIP_SOURCE_DIR_ENV)
+    if override:
+        return Path(override).resolve()
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "kernels_hip", package.parent / "kernels_hip"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("kvcupy's HIP sources (kernels_hip/) are missing from this installation")
+
+
+def hip_include_dirs() -> tuple[Path, Path]:
+    """The -I folders of a HIP build, in search order: kernels_hip/, then kernels_cu/."""
+    return hip_source_dir(), source_dir()
+
+
+def hip_source_files(entry: str, roots: tuple[Path, ...] | None = None) -> dict[str, str]:
+    """`kernels_hip/<entry>.hip` and every header it includes, transitively, from either
+    folder: "kernels_hip/<name>" or "kernels_cu/<name>" -> sha256."""
+    roots = tuple(Path(root).resolve() for root in (roots or hip_include_dirs()))
+    entry_path = roots[0] / f"{entry}{HIP_SUFFIX}"
+    if not entry_path.is_file():
+        raise FileNotFoundError(f"no HIP kernel entry {entry!r}: {entry_path} does not exist")
+
+    def name_of(path: Path) -> str:
+        for label, root in zip(_HIP_ROOT_LABELS, roots):
+            if path.is_relative_to(root):
+                return f"{label}/{path.relative_to(root).as_posix()}"
+        return os.path.relpath(path, roots[0])
+
+    return _included_files(entry_path, roots, name_of)
+
+
+def gfx_arch(name: str | bytes) -> str:
+    """A device's gcnArchName without its feature suffixes: "gfx942:sramecc+:xnack-" ->
+    "gfx942". A code object built for the bare arch runs with either xnack setting."""
+    if isinstance(name, bytes):
+        name = name.split(b"\0", 1)[0].decode()
+    return name.split(":", 1)[0].strip()
+
+
+def hip_device_arch() -> str:
+    """The gfx arch of CuPy's current ROCm device (gfx90a on MI200, gfx942 on MI300)."""
+    import cupy
+    properties = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+    return gfx_arch(properties["gcnArchName"])
+
+
+_hip_versions: dict | None = None
+
+
+def hip_versions() -> dict[str, object]:
+    """{"hip_runtime": HIP_VERSION (major * 10**7 + minor * 10**5 + patch), "hiprtc":
+    (major, minor)}: the code object depends on both, so both enter the key."""
+    global _hip_versions
+    if _hip_versions is None:
+        import cupy
+        from cupy.cuda import nvrtc
+        _hip_versions = {"hip_runtime": int(cupy.cuda.runtime.runtimeGetVersion()),
+                         "hiprtc": tuple(nvrtc.getVersion())}
+    return _hip_versions
+
+
+def hip_compile_options(defines: Defines, arch: str, extra_options: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """hipRTC options that change the code object (and so enter the key); include folders
+    are added at compile time."""
+    if not re.fullmatch(r"gfx[0-9a-f]+", arch):
+        raise ValueError(f"arch={arch!r} is not a bare gfx arch such as 'gfx942'")
+    return (*HIP_BASE_OPTIONS, f"--offload-arch={arch}", *HIP_EXTRA_OPTIONS, *extra_options,
+            *define_flags(defines))
+
+
+def hip_specialisation_key(entry: str, defines: Defines, arch: str, extra_options: tuple[str, ...] = (),
+                           roots: tuple[Path, ...] | None = None) -> str:
+    """`<entry>-<defines digest>-<gfx arch>-<hash>`, the hash over the sources, the options,
+    the HIP runtime and hipRTC versions and the arch."""
+    options = hip_compile_options(defines, arch, extra_options)
+    content = _digest(hip_source_files(entry, roots), options, hip_versions(), arch)
+    defines_digest = _digest(define_flags(defines))[:8]
+    return f"{entry.replace('/', '.')}-{defines_digest}-{arch}-{content[:12]}"
+
+
+def _hip_version_dir() -> Path:
+    major, minor = hip_versions()["hiprtc"]
+    return cache_dir() / f"hiprtc-{major}.{minor}"
+
+
+def hip_include_options() -> tuple[str, ...]:
+    """ROCm's include/ where CuPy finds a ROCm installation (hipRTC does not always find
+    it alone). Out of the key: its headers are fixed by the HIP version, which is in it."""
+    try:
+        from cupy import _environment
+        include = Path(_environment.get_rocm_path() or "/nonexistent") / "include"
+    except Exception:   # as for the CUDA toolkit: a broken install means none
+        return ()
+    return (f"-I{include}",) if (include / "hip" / "hip_runtime.h").is_file() else ()
+
+
+def _hiprtc_compile(roots: tuple[Path, ...], entry: str, key: str, options: tuple[str, ...]) -> tuple[bytes, str]:
+    """(code object, program log) of kernels_hip/<entry>.hip, or CompileError carrying the log."""
+    from cupy.cuda import nvrtc
+    source = roots[0] / f"{entry}{HIP_SUFFIX}"
+    all_options = (*options, *(f"-I{root}" for root in roots), *hip_include_options())
+    program = nvrtc.createProgram(source.read_text(), str(source), [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, list(all_options))
+        except nvrtc.NVRTCError as error:
+            log = nvrtc.getProgramLog(program).rstrip("\x00") or str(error)
+            raise CompileError(key, all_options, log, compiler="hipRTC") from None
+        # On ROCm getPTX is hiprtcGetCode, the code object (an ELF64 image); CuPy drops
+        # its last byte as for PTX text, which whole_cubin puts back.
+        return whole_cubin(nvrtc.getPTX(program)), nvrtc.getProgramLog(program).rstrip("\x00")
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def compile_hip_entry(entry: str, defines: Defines | None = None, arch: str | None = None,
+                      extra_options: tuple[str, ...] = (), roots: tuple[Path, ...] | None = None) -> CompileResult:
+    """The code object of one HIP specialisation, from the disk cache
+    (`cache_dir()/hiprtc-<version>/<gfx arch>/<key>.hsaco`) or compiled now by hipRTC.
+    `roots`: the -I folders, the entry's first (default: hip_include_dirs())."""
+    defines = dict(defines or {})
+    arch = arch or hip_device_arch()
+    roots = tuple(Path(root) for root in (roots or hip_include_dirs()))
+    key = hip_specialisation_key(entry, defines, arch, extra_options, roots)
+    folder = _hip_version_dir() / arch
+    code_path = folder / f"{key}.hsaco"
+    if code_path.is_file():
+        return _cached_result(key, arch, code_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _exclusive(folder / f"{key}.lock"):
+        if code_path.is_file():   # another thread or process built it while this one waited
+            return _cached_result(key, arch, code_path)
+        options = hip_compile_options(defines, arch, extra_options)
+        started = time.perf_counter()
+        code, log = _hiprtc_compile(roots, entry, key, options)
+        seconds = time.perf_counter() - started
+        versions = hip_versions()
+        record = {"key": key, "entry": entry, "arch": arch, "defines": define_values(defines),
+                  "options": list(options), "hip_runtime_version": versions["hip_runtime"],
+                  "hiprtc_version": list(versions["hiprtc"]), "sources": hip_source_files(entry, roots),
+                  "seconds": round(seconds, 3), "registers": {}, "spills": {}, "log": log}
+        _write_atomically(_sidecar_path(code_path), json.dumps(record, indent=1).encode())
+        _write_atomically(code_path, code)
+    return CompileResult(key, arch, seconds, {}, {}, False, code_path)
+
+
+_hip_modules: dict = {}
+
+
+def get_hip_function(entry: str, function: str, defines: Defines, arch: str | None = None,
+                     roots: tuple[Path, ...] | None = None):
+    """Kernel `function` (extern "C") of kernels_hip/<entry>.hip with `defines`, for CuPy's
+    current ROCm device (a cupy.RawKernel launching on CuPy's current stream); `arch`
+    defaults to the device's gfx arch."""
+    import cupy
+    device = cupy.cuda.runtime.getDevice()
+    memo_key = (device, os.environ.get(HIP_SOURCE_DIR_ENV), os.environ.get(SOURCE_DIR_ENV),
+                roots and tuple(map(str, roots)), entry, define_flags(defines), arch, HIP_EXTRA_OPTIONS)
+    module = _hip_modules.get(memo_key)
+    if module is None:
+        result = compile_hip_entry(entry, defines, arch or hip_device_arch(), roots=roots)
+        module = cupy.RawModule(path=str(result.path))
+        with _lock:
+            module = _hip_modules.setdefault(memo_key, module)
     return module.get_function(function)
