@@ -20,6 +20,18 @@
 // looking (hiding the __ldg of every other type); the conversions are below.
 #pragma clang fp contract(off)
 #include <hip/hip_runtime.h>
+// CUDA's second launch bound counts blocks a multiprocessor; HIP reads it as
+// waves a SIMD, which for blocks of several waves asks for several times the
+// occupancy meant and caps the registers (spills). Translated: the blocks'
+// waves spread over a compute unit's four SIMDs.
+#undef __launch_bounds__
+#define KVC_LAUNCH_BOUNDS_1(threads) __attribute__((amdgpu_flat_work_group_size(1, threads)))
+#define KVC_LAUNCH_BOUNDS_2(threads, blocks)                          \
+  __attribute__((amdgpu_flat_work_group_size(1, threads),            \
+                 amdgpu_waves_per_eu(((blocks) * (((threads) + 63) / 64) + 3) / 4)))
+#define KVC_LAUNCH_BOUNDS_PICK(first, second, chosen, ...) chosen
+#define __launch_bounds__(...) \
+  KVC_LAUNCH_BOUNDS_PICK(__VA_ARGS__, KVC_LAUNCH_BOUNDS_2, KVC_LAUNCH_BOUNDS_1, )(__VA_ARGS__)
 #else
 #include "wave64_on_cuda.cuh"
 #endif
