@@ -30,8 +30,8 @@ from typing import Mapping
 from ... import jit
 
 ARCHES = ("gfx90a", "gfx942")
-# Separate roundings, as the format's arithmetic spells out (hip_compat.h says why).
-BASE_OPTIONS = ("-std=c++17", "-O3", "-ffp-contract=off")
+# The run-time build's own options (separate roundings: hip_compat.h says why).
+BASE_OPTIONS = jit.HIP_BASE_OPTIONS
 DEVICE_LIBRARIES = Path("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
 READELF = "llvm-readelf-19"
 COMPILERS = {"gfx90a": "hipcc", "gfx942": "clang++-19"}
