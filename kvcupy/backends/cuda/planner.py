@@ -401,11 +401,11 @@ def plan_attention(batch, cache, num_query_heads: int, num_query_tokens: int) ->
     """plan_work on this GPU, its work items uploaded. Refused while the call's stream
     is being captured (the upload would break the graph): a plan is built once,
     before any capture (CAPTURE_ADVICE)."""
-    import cupy
     tuning = DEFAULT_TUNING if batch.tuning is None else batch.tuning
     if not isinstance(tuning, Tuning):
         raise TypeError(f"tuning={tuning!r}: the CUDA backend takes a kvcupy.backends.cuda.tuning.Tuning")
     refuse_under_capture("build and upload its plan")
+    import cupy
     device = cache.device
     capability = _compute_capability(device)
     with cupy.cuda.Device(device.index):
