@@ -237,10 +237,12 @@ def bench(
     quick: bool = typer.Option(False, help="Small shapes (2 x 256 decode, 1 x 128 prefill; 8/2 heads)."),
     groups: str | None = typer.Option(None, help="CUDA only: case groups to time, comma-separated, of "
                                       "decode, sweep, prefill, prefill_sweep, write, rotate (default: those "
-                                      "of --phase)."),
+                                      "of --phase), and step (whole models' decode steps, eager and "
+                                      "graphed, against dense bf16: only when named)."),
     plot: Path | None = typer.Option(None, help="CUDA only: draw decode bandwidth against context length, "
-                                     "with the measured copy line, and prefill TFLOP/s against prompt "
-                                     "length, to this PNG (needs matplotlib: pip install 'kvcupy[plot]')."),
+                                     "with the measured copy line, prefill TFLOP/s against prompt "
+                                     "length and the step group's tokens/s against batch, to this PNG "
+                                     "(needs matplotlib: pip install 'kvcupy[plot]')."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Time paged decode and prefill for each KV dtype against NumPy dense attention.
@@ -296,9 +298,10 @@ def _bench_cuda(ctx: typer.Context, kv_dtype: KvDtype, phase: Phase, groups: str
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="'--groups'") from None
     if plot is not None:   # before the run, not after it
-        if not any(group.kind == "decode" or group.sweep for group in config.groups):
-            raise typer.BadParameter("it draws the decode and prefill sweeps, and these groups time neither "
-                                     "(add sweep or prefill_sweep to --groups)", param_hint="'--plot'")
+        if not any(group.kind in ("decode", "step") or group.sweep for group in config.groups):
+            raise typer.BadParameter("it draws the decode and prefill sweeps and the step group, and these "
+                                     "groups time none of them (add sweep, prefill_sweep or step to --groups)",
+                                     param_hint="'--plot'")
         try:
             plot_module.require_matplotlib()
         except ImportError as error:

@@ -7,7 +7,9 @@ bf16 SDPA, the streaming kernel at its fastest split count, and the
 device-to-device copy of the same bytes: the measured copy-bandwidth line).
 Prefill: TFLOP/s against prompt length, the causal prefill groups of the
 prefill sweep's geometry (a fixed number of tokens a batch), kvcupy beside
-each SDPA backend. A report with one sweep gets one panel. matplotlib is an
+each SDPA backend. Step: for each model the step group timed, attention-bound
+tokens/s against batch size, each graphed implementation at each context
+length. A report gets a panel for each of these it holds. matplotlib is an
 optional extra (`pip install 'kvcupy[plot]'`), imported only here.
 """
 
@@ -91,6 +93,44 @@ def prefill_series(report: dict) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+def step_series(report: dict) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """model -> label -> [(batch, tokens/s)], by increasing batch: the step groups'
+    graphed cases with their writes, timed ones only."""
+    models: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for group in report["groups"]:
+        if group["kind"] != "step":
+            continue
+        shape = group["shape"]
+        for record in group["cases"]:
+            if record["status"] == "ok" and record["graphed"] and record["writes"]:
+                label = f"{record['name']}, {shape['seq_len'] // 1024}k context"
+                models.setdefault(shape["model"], {}).setdefault(label, []).append(
+                    (shape["num_seqs"], record["tokens_per_s"]))
+    return {model: {label: sorted(points) for label, points in series.items()} for model, series in models.items()}
+
+
+def _draw_steps(axes, model: str, series: dict[str, list[tuple[int, float]]], implementations: list[str],
+                device: str) -> None:
+    # One colour an implementation, the same in every model's panel; one line style a context length.
+    styles = ("-", "--", ":", "-.")
+    contexts = sorted({label.rsplit(", ", 1)[1] for label in series}, key=lambda c: int(c.split("k")[0]))
+    for label, points in series.items():
+        implementation, context = label.rsplit(", ", 1)
+        batches, rates = zip(*points)
+        axes.plot(batches, rates, color=f"C{implementations.index(implementation) % 10}",
+                  linestyle=styles[contexts.index(context) % len(styles)], marker="o", label=label)
+    batches = sorted({n for points in series.values() for n, _ in points})
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xticks(batches, [str(n) for n in batches])
+    axes.grid(True, which="major", alpha=0.3)
+    axes.legend(fontsize="x-small", loc="best")
+    axes.set_xlabel("batch (sequences, one new token each a step)")
+    axes.set_ylabel("tokens/s, attention alone (batch / step time)")
+    axes.set_title(f"decode step of {model}, every layer's write and attention, CUDA graphs; {device}",
+                   fontsize="medium")
+
+
 def _length_ticks(axes, seq_lens: list[int]) -> None:
     axes.set_xscale("log", base=2)
     axes.set_xticks(seq_lens, [f"{n // 1024}k" if n >= 1024 else str(n) for n in seq_lens])
@@ -107,17 +147,18 @@ def _draw_series(axes, series: dict[str, list[tuple[int, float]]], styles: dict)
 
 
 def plot_report(report: dict, path: Path | str) -> Path:
-    """Draw the report's sweeps to `path` (a PNG, or any format matplotlib infers
-    from the suffix): decode bandwidth and prefill TFLOP/s, a panel each that the
-    report holds. ValueError when it holds neither."""
+    """Draw the report's sweeps and steps to `path` (a PNG, or any format matplotlib
+    infers from the suffix): decode bandwidth, prefill TFLOP/s and each model's step
+    tokens/s, a panel each that the report holds. ValueError when it holds none."""
     require_matplotlib()
     # The object-oriented API: no pyplot, no global backend choice, no display needed.
     from matplotlib.figure import Figure
 
-    decode, prefill = bandwidth_series(report), prefill_series(report)
-    panels = [name for name, series in (("decode", decode), ("prefill", prefill)) if series]
+    decode, prefill, steps = bandwidth_series(report), prefill_series(report), step_series(report)
+    panels = [name for name, series in (("decode", decode), ("prefill", prefill)) if series] + list(steps)
     if not panels:
-        raise ValueError("the report holds neither sweep: time the sweep or prefill_sweep groups")
+        raise ValueError("the report holds neither sweep nor a step: time the sweep, prefill_sweep or "
+                         "step groups")
     device, block_size = report["device"]["name"], report["block_size"]
     figure = Figure(figsize=(8, 5 * len(panels)), layout="constrained")
     axes_of = dict(zip(panels, figure.subplots(len(panels), 1, squeeze=False)[:, 0]))
@@ -139,6 +180,9 @@ def plot_report(report: dict, path: Path | str) -> Path:
         axes.set_title(f"causal prefill: {sweep['tokens']} tokens a batch, {sweep['num_heads']}/"
                        f"{sweep['num_kv_heads']} heads, d = {sweep['head_size']}, block size {block_size}; "
                        f"{device}", fontsize="medium")
+    implementations = list(dict.fromkeys(label.rsplit(", ", 1)[0] for series in steps.values() for label in series))
+    for model, series in steps.items():
+        _draw_steps(axes_of[model], model, series, implementations, device)
     path = Path(path)
     figure.savefig(path, dpi=120)
     return path

@@ -18,7 +18,10 @@ prefill (4 x 8192 at d = 128 and 96, 1 x 2048, 64 x 128, and chunked: 4
 sequences of 2048 new tokens over 30720 cached), the prefill sweep over
 prompt lengths (16384 tokens a batch, as FlashAttention's benchmarks count
 them) that `--plot` draws too, the write path (`reshape_and_cache`) and
-`rotate`.
+`rotate`. The step group, asked for by name (`--groups step`), times a whole
+model's decode step (step.py): Llama-3-8B's and Phi-3-mini's 32 layers at
+batch 1 to 64 and contexts 1k to 32k, each layer's write and attention, kvcupy
+eager and in one CUDA graph beside torch dense bf16 and FlashInfer.
 
 Accounting. TB/s = bytes the case must read and write / median time.
 Attention must read every cached token's K and V once, scales included
@@ -52,8 +55,8 @@ raises is reported as failed with the error. Neither ends the run.
 
 Modules: shapes.py (what is timed), accounting.py (bytes and FLOPs),
 kernels.py (the bench's own kernels), run.py (configuration, rounds,
-records), targets.py (the goals), runner.py (the CUDA runner), tables.py
-(the report as tables). The names below are what the CLI calls.
+records), targets.py (the goals), runner.py (the CUDA runner), step.py (the
+step group's cases on the GPU), tables.py (the report as tables). The names below are what the CLI calls.
 """
 
 from .run import DEFAULT_REPEATS, BenchConfig, make_config, run_bench, total_steps

@@ -3,6 +3,7 @@ interleaved rounds on a Runner, and the report's records and ratios."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
@@ -10,8 +11,8 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from .accounting import L2_ROTATE_FACTOR, case_bytes, case_flops, input_sets
-from .shapes import (BLOCK_SIZE, FULL_SIZES, GROUP_KINDS, KINDS_OF_PHASE, QUICK_SIZES, Case, Group, group_cases,
-                     plan_groups, sweep_kv_dtypes)
+from .shapes import (BLOCK_SIZE, FULL_SIZES, GROUP_KINDS, KINDS_OF_PHASE, QUICK_SIZES, Case, Group, StepShape,
+                     group_cases, plan_groups, step_storage, sweep_kv_dtypes)
 from .targets import evaluate_targets
 
 Progress = Callable[[str], None]   # called with the name of a step that ended, or starts
@@ -23,6 +24,11 @@ MIN_REPEATS = 5
 DEFAULT_REPEATS = {"decode": 30, "prefill": 10, "write": 30, "rotate": 30}
 DEFAULT_ROUNDS = 3
 DEFAULT_WARMUP = 5
+# A whole-model step is a decode step: the decode count (--repeats) is its count of timed steps.
+REPEATS_KIND = {"step": "decode"}
+STEP_TIMING = ("steps issued back to back without a hold: CUDA events between consecutive steps, so a "
+               "step whose host work outlasts its GPU work is timed at the host's pace, as a serving "
+               "loop runs")
 
 
 def split_repeats(repeats: int, rounds: int) -> list[int]:
@@ -118,6 +124,9 @@ class Runner(Protocol):
     def time(self, calls: list[Callable[[], Any]], count: int, host_ms: float) -> Timing:
         """`count` timed calls, rotating among `calls`."""
 
+    def time_steps(self, calls: list[Callable[[], Any]], count: int) -> Timing:
+        """`count` whole-model steps issued back to back (STEP_TIMING), rotating among `calls`."""
+
     def end_group(self) -> None:
         """Frees what the group's cases hold."""
 
@@ -139,8 +148,11 @@ def _error_text(error: BaseException) -> str:
 
 
 def _case_fields(case: Case) -> dict:
-    return {"name": case.name, "impl": case.impl, "kv_dtype": case.kv_dtype,
-            "sdpa_backend": case.sdpa_backend, "splits": case.splits}
+    fields = {"name": case.name, "impl": case.impl, "kv_dtype": case.kv_dtype,
+              "sdpa_backend": case.sdpa_backend, "splits": case.splits}
+    if case.graphed is not None:
+        fields.update(graphed=case.graphed, writes=case.writes)
+    return fields
 
 
 def _rate(amount: int | None, ms: float) -> float | None:
@@ -194,19 +206,49 @@ def add_ratios(records: list[dict]) -> None:
         record["stream_splits"] = stream["splits"] if stream else None
 
 
-def run_group(group: Group, config: BenchConfig, runner: Runner, progress: Progress,
-              status: Progress) -> dict:
-    """Set up every case of the group, time them in interleaved rounds, report them."""
-    cases = group_cases(group)
+def _step_record(records: list[dict], impl: str, kv_dtype: str | None, graphed: bool,
+                 writes: bool = True) -> dict | None:
+    found = [r for r in records if r["status"] == "ok" and r["impl"] == impl and r["kv_dtype"] == kv_dtype
+             and r["graphed"] == graphed and r["writes"] == writes]
+    return found[0] if found else None
+
+
+def add_step_ratios(shape: StepShape, records: list[dict]) -> None:
+    """On each timed step record: tokens_per_s = sequences / step time (each sequence
+    gains a token a step; attention alone, so a bound on the model's rate);
+    speedup_vs_dense_graphed = torch dense bf16 graphed's time / this one's;
+    on eager records speed_vs_graphed = the same case graphed's time / this one's;
+    on graphed records with writes write_share = 1 - (time without writes / time with)."""
+    dense = _step_record(records, "dense", None, True)
+    for record in records:
+        if record["status"] != "ok":
+            continue
+        record["gpu_idle_fraction"] = None   # back to back, a step's idle time is inside its time
+        record["tokens_per_s"] = shape.num_seqs / (record["median_ms"] * 1e-3)
+        record["speedup_vs_dense_graphed"] = _ratio(dense["median_ms"], record["median_ms"]) if dense else None
+        twin = _step_record(records, record["impl"], record["kv_dtype"], True)
+        if not record["graphed"]:
+            record["speed_vs_graphed"] = _ratio(twin["median_ms"], record["median_ms"]) if twin else None
+        elif record["writes"]:
+            bare = _step_record(records, record["impl"], record["kv_dtype"], True, writes=False)
+            record["write_share"] = 1 - bare["median_ms"] / record["median_ms"] if bare else None
+
+
+def _time_cases(group: Group, cases: tuple[Case, ...], config: BenchConfig, runner: Runner,
+                progress: Progress, status: Progress) -> dict[Case, dict]:
+    """Set up the cases, time them in interleaved rounds, free them; a record each."""
     model_dtype = runner.model_dtype
     ready: dict[Case, _Ready] = {}
     untimed: dict[Case, dict] = {}
+    step = group.kind == "step"
     try:
         status(f"{group.label}: setting up {len(cases)} cases")
         for case in cases:
             if case.impl == "kvcupy":   # its inputs are written and its kernels compile: seconds
                 status(f"{group.label}: {case.name}: writing inputs, compiling kernels (first run only)")
-            sets = input_sets(case_bytes(group, case, model_dtype), runner.l2_bytes)
+            # A step case without writes runs on its storage's input sets, sized with them.
+            sized = dataclasses.replace(case, writes=True) if step else case
+            sets = input_sets(case_bytes(group, sized, model_dtype), runner.l2_bytes)
             try:
                 calls, info = runner.build(group, case, sets)
                 estimate_ms, host_ms = runner.warm_up(calls, config.warmup)
@@ -216,14 +258,17 @@ def run_group(group: Group, config: BenchConfig, runner: Runner, progress: Progr
             except Exception as error:   # one case's failure (out of memory, a kernel error) ends only it
                 untimed[case] = untimed_record(group, case, model_dtype, "failed", _error_text(error))
                 continue
-            count = case_repeats(config.repeats[group.kind], estimate_ms)
+            count = case_repeats(config.repeats[REPEATS_KIND.get(group.kind, group.kind)], estimate_ms)
             ready[case] = _Ready(calls, info, sets, host_ms, split_repeats(count, config.rounds))
         for round_index in range(config.rounds):
             for case in cases:
                 entry = ready.get(case)
                 if entry is not None and case not in untimed and round_index < len(entry.per_round):
                     try:
-                        timing = runner.time(entry.calls, entry.per_round[round_index], entry.host_ms)
+                        if step:
+                            timing = runner.time_steps(entry.calls, entry.per_round[round_index])
+                        else:
+                            timing = runner.time(entry.calls, entry.per_round[round_index], entry.host_ms)
                     except Exception as error:
                         untimed[case] = untimed_record(group, case, model_dtype, "failed", _error_text(error))
                     else:
@@ -234,11 +279,34 @@ def run_group(group: Group, config: BenchConfig, runner: Runner, progress: Progr
         for entry in ready.values():
             entry.calls = []   # the group's arrays go before the next group allocates its own
         runner.end_group()
-    records = [untimed[case] if case in untimed else timed_record(group, case, model_dtype, ready[case])
-               for case in cases]
-    add_ratios(records)
-    return {"kind": group.kind, "label": group.label, "sweep": group.sweep,
-            "shape": {**asdict(group.shape), "block_size": BLOCK_SIZE}, "cases": records}
+    return {case: untimed[case] if case in untimed else timed_record(group, case, model_dtype, ready[case])
+            for case in cases}
+
+
+def run_group(group: Group, config: BenchConfig, runner: Runner, progress: Progress,
+              status: Progress) -> dict:
+    """Set up every case of the group, time them in interleaved rounds, report them.
+    A step group does so one storage at a time (shapes.step_storage): one
+    implementation's caches of a whole model may fill most of the GPU, so they are
+    freed before the next implementation allocates its own."""
+    cases = group_cases(group)
+    if group.kind == "step":
+        storages = dict.fromkeys(step_storage(case) for case in cases)
+        batches = [tuple(case for case in cases if step_storage(case) == storage) for storage in storages]
+    else:
+        batches = [cases]
+    by_case: dict[Case, dict] = {}
+    for batch in batches:
+        by_case.update(_time_cases(group, batch, config, runner, progress, status))
+    records = [by_case[case] for case in cases]
+    result = {"kind": group.kind, "label": group.label, "sweep": group.sweep,
+              "shape": {**asdict(group.shape), "block_size": BLOCK_SIZE}, "cases": records}
+    if group.kind == "step":
+        add_step_ratios(group.shape, records)
+        result["timing"] = STEP_TIMING
+    else:
+        add_ratios(records)
+    return result
 
 
 def run_bench(config: BenchConfig, runner: Runner, progress: Progress, status: Progress) -> dict:

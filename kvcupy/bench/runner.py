@@ -21,6 +21,7 @@ from . import kernels
 from .accounting import case_bytes
 from .run import PeerSkipped, Timing, _error_text
 from .shapes import BLOCK_SIZE, Case, Group, RotateShape, Shape, WriteShape
+from .step import StepBuilder
 
 SEED = 0
 # The hold ahead of a series lasts HOLD_MARGIN x the host time to issue it, within these bounds.
@@ -89,6 +90,7 @@ class CudaRunner:
         device = cupy.cuda.Device()
         self.properties = cupy.cuda.runtime.getDeviceProperties(device.id)
         self.l2_bytes = int(self.properties["l2CacheSize"])
+        self.memory_bytes = int(self.properties["totalGlobalMem"])
         self.stream = cupy.cuda.get_current_stream()
         if self.torch is not None and self.torch.cuda.current_stream().cuda_stream != self.stream.ptr:
             raise RuntimeError("torch's current CUDA stream is not CuPy's; the bench times every peer "
@@ -97,6 +99,7 @@ class CudaRunner:
         self._attention: _AttentionData | None = None
         self._caches: dict[str, list] = {}      # kv_dtype -> the group's caches, one per input set
         self._written: set[int] = set()         # ids of those caches written
+        self._step = StepBuilder(self.torch, self.torch_reason, self.model_dtype, self.memory_bytes, self.l2_bytes)
 
     @staticmethod
     def _import_torch():
@@ -113,7 +116,7 @@ class CudaRunner:
         name = props["name"]
         device = {"name": name.decode() if isinstance(name, bytes) else str(name),
                   "arch": f"sm_{props['major']}{props['minor']}", "sms": int(props["multiProcessorCount"]),
-                  "l2_bytes": self.l2_bytes, "memory_bytes": int(props["totalGlobalMem"])}
+                  "l2_bytes": self.l2_bytes, "memory_bytes": self.memory_bytes}
         versions = {"kvcupy": kvcupy.__version__, "cupy": cupy.__version__,
                     "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
                     "cuda_driver": cupy.cuda.runtime.driverGetVersion(),
@@ -124,6 +127,8 @@ class CudaRunner:
     # Setting up cases.
 
     def build(self, group: Group, case: Case, sets: int) -> tuple[list[Callable[[], Any]], dict]:
+        if group.kind == "step":
+            return self._step.build(group, case, sets)
         if case.impl == "copy":
             return self._copy(case_bytes(group, case, self.model_dtype), sets), {}
         if group.kind == "rotate":
@@ -345,7 +350,21 @@ class CudaRunner:
         idle = sum(cuda.get_elapsed_time(events[i][1], events[i + 1][0]) for i in range(count - 1))
         return Timing(ms, idle)
 
+    def time_steps(self, calls: list, count: int) -> Timing:
+        """run.STEP_TIMING: one event between consecutive steps, none held back, so each
+        interval is a step's time at the pace of the slower of the host and the GPU."""
+        cuda = self.cupy.cuda
+        events = [cuda.Event() for _ in range(count + 1)]
+        self.stream.synchronize()
+        events[0].record(self.stream)
+        for index in range(count):
+            calls[index % len(calls)]()
+            events[index + 1].record(self.stream)
+        events[-1].synchronize()
+        return Timing([cuda.get_elapsed_time(events[i], events[i + 1]) for i in range(count)], 0.0)
+
     def end_group(self) -> None:
+        self._step.clear()
         self._attention = None
         self._caches.clear()
         self._written.clear()

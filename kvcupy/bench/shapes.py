@@ -13,8 +13,10 @@ ALL_KV_DTYPES = QUANTIZED_KV_DTYPES + ("auto",)
 BLOCK_SIZE = 16          # the CUDA bench's pages
 STREAM_SPLITS = (32, 64, 128, 256, 512)
 SDPA_BACKENDS = ("default", "flash", "cudnn")   # prefill; decode uses the default dispatch
-GROUP_KINDS = ("decode", "sweep", "prefill", "prefill_sweep", "write", "rotate")
-KINDS_OF_PHASE = {"all": GROUP_KINDS, "decode": ("decode", "sweep"), "prefill": ("prefill", "prefill_sweep")}
+GROUP_KINDS = ("decode", "sweep", "prefill", "prefill_sweep", "write", "rotate", "step")
+# Whole-model steps are asked for by name: their caches fill most of the GPU and take minutes to time.
+KINDS_OF_PHASE = {"all": ("decode", "sweep", "prefill", "prefill_sweep", "write", "rotate"),
+                  "decode": ("decode", "sweep"), "prefill": ("prefill", "prefill_sweep")}
 SHORT_NAMES = {"int4_per_token_head": "int4", "int8_per_token_head": "int8",
                "fp8_per_token_head": "fp8", "auto": "auto"}
 
@@ -72,12 +74,57 @@ class RotateShape:
 
 
 @dataclass(frozen=True)
+class Model:
+    """The attention geometry of a model's decoder layers."""
+
+    name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+
+
+LLAMA_3_8B = Model("Llama-3-8B", 32, 32, 8, 128)
+PHI_3_MINI = Model("Phi-3-mini", 32, 32, 32, 96)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A decode step of a whole model: in each of num_layers layers, one new token a
+    sequence written into that layer's cache, then attention over seq_len tokens
+    (the new one included)."""
+
+    model: str
+    num_layers: int
+    num_seqs: int
+    seq_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+
+    @classmethod
+    def of(cls, model: Model, num_seqs: int, seq_len: int) -> "StepShape":
+        return cls(model.name, model.num_layers, num_seqs, seq_len, model.num_heads, model.num_kv_heads,
+                   model.head_size)
+
+    @property
+    def layer(self) -> Shape:
+        """One layer's attention."""
+        return Shape("decode", self.num_seqs, self.seq_len, self.num_heads, self.num_kv_heads, self.head_size)
+
+    @property
+    def layer_write(self) -> WriteShape:
+        """One layer's write: a token a sequence."""
+        return WriteShape(self.num_seqs, self.num_kv_heads, self.head_size)
+
+
+@dataclass(frozen=True)
 class Group:
-    """Cases timed on one shape. kind: "decode", "prefill", "write" or "rotate";
+    """Cases timed on one shape. kind: "decode", "prefill", "write", "rotate" or "step";
     sweep: a decode context length or a prefill prompt length added for --plot's sweeps."""
 
     kind: str
-    shape: Shape | WriteShape | RotateShape
+    shape: Shape | WriteShape | RotateShape | StepShape
     kv_dtypes: tuple[str, ...]
     sweep: bool = False
 
@@ -92,22 +139,35 @@ class Group:
             return f"{self.kind} {tokens}, {s.num_heads}/{s.num_kv_heads} heads, d = {s.head_size}"
         if self.kind == "write":
             return f"write {s.num_tokens} tokens x {s.num_kv_heads} KV heads, d = {s.head_size}"
+        if self.kind == "step":
+            return (f"step {s.model} ({s.num_layers} layers, {s.num_heads}/{s.num_kv_heads} heads, "
+                    f"d = {s.head_size}), {s.num_seqs} x {s.seq_len}")
         return f"rotate {s.num_vectors} vectors, d = {s.head_size}"
 
 
 @dataclass(frozen=True)
 class Case:
-    """One timed thing: impl "kvcupy", "sdpa", "copy" or "stream". kv_dtype:
-    kvcupy's KV dtype, or the one whose bytes a copy or stream moves."""
+    """One timed thing: impl "kvcupy", "sdpa", "copy" or "stream"; in a step group
+    "kvcupy", "dense" (torch bf16) or "flashinfer". kv_dtype: kvcupy's KV dtype, or
+    the one whose bytes a copy or stream moves (FlashInfer's: STEP_FLASHINFER_KV).
+    graphed: a step group's case, replayed from one CUDA graph a step (True) or
+    issued eagerly (False); None outside step groups. writes: the step writes each
+    layer's new token (False: attention alone, to weigh the writes)."""
 
     impl: str
     kv_dtype: str | None = None
     sdpa_backend: str | None = None
     splits: int | None = None
+    graphed: bool | None = None
+    writes: bool = True
 
     @property
     def name(self) -> str:
         short = SHORT_NAMES.get(self.kv_dtype, "")
+        if self.graphed is not None:
+            what = {"kvcupy": f"kvcupy {short}", "dense": "torch dense bf16",
+                    "flashinfer": f"flashinfer {self.kv_dtype}"}[self.impl]
+            return f"{what} {'graphed' if self.graphed else 'eager'}" + ("" if self.writes else ", no writes")
         if self.impl == "kvcupy":
             return f"kvcupy {short}" if self.kv_dtype else "kvcupy rotate"
         if self.impl == "sdpa":
@@ -128,6 +188,13 @@ PREFILL_SHORT = Shape("prefill", 64, 128, 32, 8, 128)
 PREFILL_CHUNKED = Shape("prefill", 4, 32768, 32, 8, 128, new_tokens=2048)   # 2048 new over 30720 cached
 WRITE_MAIN = WriteShape(32768, 8, 128)
 ROTATE_HEAD_SIZES = (64, 96, 128, 256)
+STEP_MAIN = StepShape.of(LLAMA_3_8B, 32, 32768)
+STEP_SHORT = StepShape.of(LLAMA_3_8B, 32, 8192)
+STEP_MODELS = (LLAMA_3_8B, PHI_3_MINI)
+STEP_BATCHES = (1, 8, 32, 64)
+STEP_SEQ_LENS = (1024, 8192, 32768)
+# FlashInfer's paged decode, with its own KV storage: bf16, or fp8 e4m3 under one scale a tensor.
+STEP_FLASHINFER_KV = ("bf16", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -141,6 +208,7 @@ class Sizes:
     prefill_sweep_tokens: int       # prompts a length: this many tokens / the length (at least one)
     write: tuple[WriteShape, ...]
     rotate: tuple[RotateShape, ...]
+    step: tuple[StepShape, ...] = ()
 
     def prefill_sweep_shape(self, seq_len: int) -> Shape:
         geometry = self.prefill_sweep
@@ -155,7 +223,9 @@ FULL_SIZES = Sizes(
     prefill_sweep=PREFILL_MAIN, prefill_sweep_seq_lens=tuple(512 << k for k in range(6)),   # 512 .. 16k
     prefill_sweep_tokens=16384,
     write=(WRITE_MAIN,),
-    rotate=tuple(RotateShape(1 << 20, d) for d in ROTATE_HEAD_SIZES))
+    rotate=tuple(RotateShape(1 << 20, d) for d in ROTATE_HEAD_SIZES),
+    step=tuple(StepShape.of(model, batch, seq_len) for model in STEP_MODELS
+               for batch in STEP_BATCHES for seq_len in STEP_SEQ_LENS))
 # A smoke test: every path, small shapes, seconds.
 QUICK_SIZES = Sizes(
     decode=(Shape("decode", 4, 2048, 8, 2, 128), Shape("decode", 4, 2048, 8, 2, 96)),
@@ -163,12 +233,19 @@ QUICK_SIZES = Sizes(
     prefill=(Shape("prefill", 2, 512, 8, 2, 128), Shape("prefill", 2, 1024, 8, 2, 128, new_tokens=256)),
     prefill_sweep=Shape("prefill", 2, 512, 8, 2, 128), prefill_sweep_seq_lens=(128, 256), prefill_sweep_tokens=512,
     write=(WriteShape(2048, 2, 128),),
-    rotate=(RotateShape(1 << 14, 64), RotateShape(1 << 14, 96)))
+    rotate=(RotateShape(1 << 14, 64), RotateShape(1 << 14, 96)),
+    # Both models' real geometry, their smallest batches and context: every path in seconds.
+    step=tuple(StepShape.of(model, batch, 1024) for model in STEP_MODELS for batch in (1, 8)))
 
 
 def sweep_kv_dtypes(kv_dtypes: tuple[str, ...]) -> tuple[str, ...]:
     """The sweep times int4 (or the first KV dtype asked for, without int4)."""
     return ("int4_per_token_head",) if "int4_per_token_head" in kv_dtypes else kv_dtypes[:1]
+
+
+def step_kv_dtypes(kv_dtypes: tuple[str, ...]) -> tuple[str, ...]:
+    """The quantized KV dtypes asked for: a step's bf16 bar is torch's dense cache."""
+    return tuple(kv for kv in kv_dtypes if kv in QUANTIZED_KV_DTYPES)
 
 
 def plan_groups(kinds: tuple[str, ...], kv_dtypes: tuple[str, ...], sizes: Sizes) -> tuple[Group, ...]:
@@ -196,6 +273,8 @@ def plan_groups(kinds: tuple[str, ...], kv_dtypes: tuple[str, ...], sizes: Sizes
         groups += [Group("write", shape, kv_dtypes) for shape in sizes.write]
     if "rotate" in kinds:
         groups += [Group("rotate", shape, ()) for shape in sizes.rotate]
+    if "step" in kinds:
+        groups += [Group("step", shape, step_kv_dtypes(kv_dtypes)) for shape in sizes.step]
     return tuple(groups)
 
 
@@ -205,7 +284,28 @@ def stream_splits(shape: Shape) -> tuple[int, ...]:
     return tuple(s for s in STREAM_SPLITS if s <= pages) or (pages,)
 
 
+def step_cases(group: Group) -> tuple[Case, ...]:
+    """Each kvcupy KV dtype eager, graphed and graphed without the writes; torch dense
+    bf16 eager and graphed; FlashInfer's KV storages eager and graphed. The cases of
+    one implementation and KV dtype share their caches (step_storage)."""
+    cases = []
+    for kv_dtype in group.kv_dtypes:
+        cases += [Case("kvcupy", kv_dtype, graphed=False), Case("kvcupy", kv_dtype, graphed=True),
+                  Case("kvcupy", kv_dtype, graphed=True, writes=False)]
+    cases += [Case("dense", graphed=False), Case("dense", graphed=True)]
+    for kv in STEP_FLASHINFER_KV:
+        cases += [Case("flashinfer", kv, graphed=False), Case("flashinfer", kv, graphed=True)]
+    return tuple(cases)
+
+
+def step_storage(case: Case) -> tuple[str, str | None]:
+    """The caches a step case runs on: one implementation's, of one KV dtype."""
+    return case.impl, case.kv_dtype
+
+
 def group_cases(group: Group) -> tuple[Case, ...]:
+    if group.kind == "step":
+        return step_cases(group)
     kvcupy_cases = tuple(Case("kvcupy", kv_dtype) for kv_dtype in group.kv_dtypes)
     copies = tuple(Case("copy", kv_dtype) for kv_dtype in group.kv_dtypes)
     if group.kind == "rotate":

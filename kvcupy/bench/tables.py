@@ -9,6 +9,14 @@ from rich.table import Table
 
 from .run import _fastest
 from .runner import HOST_PROBE_CALLS
+from .shapes import SHORT_NAMES
+
+
+def _storage_name(record: dict) -> str:
+    """The caches a step record ran on, named as its cases are, without eager / graphed."""
+    kv = record["kv_dtype"]
+    return {"kvcupy": f"kvcupy {SHORT_NAMES.get(kv, kv)}", "dense": "torch dense bf16"}.get(record["impl"],
+                                                                                           f"{record['impl']} {kv}")
 
 
 def _number(value: float | None, spec: str, suffix: str = "") -> str:
@@ -27,6 +35,31 @@ def _shown(records: list[dict]) -> list[dict]:
     return shown
 
 
+def _step_table(group: dict) -> Table:
+    """A step group: each implementation's step time and the attention-bound tokens/s,
+    against torch dense bf16 graphed, eager against graphed, and the writes' share."""
+    columns = ("case", "step ms", "tokens/s", "TB/s", "vs dense graphed", "vs graphed", "writes' share",
+               "host ms")
+    table = Table(title=group["label"], title_justify="left", show_edge=False, pad_edge=False,
+                  caption_justify="left")
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    notes = []
+    for record in group["cases"]:
+        if record["status"] != "ok":
+            notes.append(f"{record['name']}: {record['status']} ({record['reason']})")
+            continue
+        table.add_row(record["name"], _number(record["median_ms"], ".3f"), _number(record["tokens_per_s"], ",.0f"),
+                      _number(record["tb_per_s"], ".2f"), _number(record.get("speedup_vs_dense_graphed"), ".2f", "x"),
+                      _number(record.get("speed_vs_graphed"), ".2f", "x"), _number(record.get("write_share"), ".1%"),
+                      _number(record.get("host_ms"), ".3f"))
+        if record.get("layers_share_caches"):
+            notes.append(f"{_storage_name(record)}: {record['layers_share_caches']}")
+    # The cases of one storage share the note; say it once.
+    table.caption = "; ".join(dict.fromkeys(notes)) or None
+    return table
+
+
 def tables(report: dict) -> RichGroup:
     """One table per group, then the targets; the same numbers as --json."""
     device = report["device"]
@@ -37,9 +70,17 @@ def tables(report: dict) -> RichGroup:
               "(> 1: kvcupy faster); vs copy, vs stream: kvcupy TB/s / theirs. host ms: the host's "
               f"time to issue one call ({HOST_PROBE_CALLS} calls after warm-up), which the GPU times leave "
               "out: where it exceeds ms, eager calls wait on the host.")
+    steps = [group for group in report["groups"] if group["kind"] == "step"]
+    if steps:
+        header += (f" Step groups: {steps[0]['timing']}; tokens/s = sequences / step time, attention alone; "
+                   "vs dense graphed: torch dense bf16 graphed's time / the case's; vs graphed: the case "
+                   "graphed's time / eager's.")
     parts: list[Any] = [header]
     columns = ("case", "ms", "TB/s", "TFLOP/s", "vs SDPA", "vs copy", "vs stream", "host ms")
     for group in report["groups"]:
+        if group["kind"] == "step":
+            parts.append(_step_table(group))
+            continue
         rows = [(record["name"], _number(record["median_ms"], ".3f"), _number(record["tb_per_s"], ".2f"),
                  _number(record["tflop_per_s"], ".1f"), _number(record.get("speedup_vs_sdpa"), ".2f", "x"),
                  _number(record.get("bandwidth_vs_copy"), ".0%"),

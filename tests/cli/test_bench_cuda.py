@@ -625,8 +625,8 @@ def test_cli_plot_of_groups_without_a_sweep_is_refused_before_the_run(fake_cuda)
     result = runner.invoke(app, ["bench", "--backend", "cuda", "--quick", "--groups", "write",
                                  "--plot", "out.png"])
     assert result.exit_code == 2, result.output
-    assert ("Invalid value for '--plot': it draws the decode and prefill sweeps, and these groups time "
-            "neither") in plain_text(result.stderr)
+    assert ("Invalid value for '--plot': it draws the decode and prefill sweeps and the step group, and "
+            "these groups time none of them") in plain_text(result.stderr)
     assert fake_cuda == []
 
 
