@@ -142,19 +142,22 @@ def _write_defines(head_size: int, kv_dtype: str, cache_dtype: np.dtype, input_d
     return tuple(sorted(defines.items()))
 
 
-def reshape_and_cache(key, value, cache, slots) -> None:
-    """Write key/value (interop.Arrays [T, Hk, d]) at slots (a SlotMapping), one launch."""
+def reshape_and_cache(key, value, cache, slots, *, function=None, uploads=None) -> None:
+    """Write key/value (interop.Arrays [T, Hk, d]) at slots (a SlotMapping), one launch.
+    `function` (device index, entry, kernel, defines) -> kernel and `uploads` (a backend's
+    arrays module): where another backend (rocm) takes its kernels and uploads from."""
     import cupy
+    function, uploads = function or _function, uploads or arrays
     num_tokens, num_heads, head_size = key.shape
     if num_tokens == 0:
         return
     device = cache.device
     with cupy.cuda.Device(device.index):
-        slot_ids = slots.on(arrays, device)
+        slot_ids = slots.on(uploads, device)
         keys, values = _contiguous_rows(key.data), _contiguous_rows(value.data)
         defines = write_defines(head_size, cache.kv_dtype, _cache_model_dtype(cache), key.dtype, cache.rotation)
         layout = vector_layout(head_size, cache.rotation, _write_tuning(cache.kv_dtype, cache.rotation)[0])
-        kernel = _function(device.index, "write", "reshape_and_cache", defines)
+        kernel = function(device.index, "write", "reshape_and_cache", defines)
 
         key_cache, value_cache = cache.key_cache, cache.value_cache
         k_scales, v_scales = cache.k_scale_cache, cache.v_scale_cache
@@ -203,7 +206,7 @@ def rotate_threads(layout: VectorLayout) -> int:
 
 def rotate_rows(x: cupy.ndarray, out: cupy.ndarray, plan: RotationPlan | None, *, inverse: bool,
                 divisor: float, read_order: cupy.ndarray | None = None,
-                write_order: cupy.ndarray | None = None, x_dtype=None, out_dtype=None) -> None:
+                write_order: cupy.ndarray | None = None, x_dtype=None, out_dtype=None, function=None) -> None:
     """out[v, k] = y[write_order[k]] / divisor, y = H (s * x'[v]) (inverse: s * (H^T x'[v])),
     x'[v, i] = x[v, read_order[i]]: cpu_kernels.rotate_rows, bit for bit.
 
@@ -211,8 +214,10 @@ def rotate_rows(x: cupy.ndarray, out: cupy.ndarray, plan: RotationPlan | None, *
     x's dtype (x_dtype / out_dtype give the logical dtypes; uint16 means bfloat16 by
     default). Arithmetic in float64, one rounding to float32, then one to out's dtype.
     Orders: int32 arrays of length d or None. plan None or "none": only orders and divisor.
+    `function`: as reshape_and_cache's.
     """
     import cupy
+    function = function or _function
     num_rows, head_size = x.shape
     if out.shape != x.shape:
         raise ValueError(f"out has shape {out.shape}; expected x's {x.shape}")
@@ -229,7 +234,7 @@ def rotate_rows(x: cupy.ndarray, out: cupy.ndarray, plan: RotationPlan | None, *
         defines = rotate_defines(head_size, plan, _logical_dtype(x, x_dtype), _logical_dtype(out, out_dtype),
                                  use_orders)
         layout = vector_layout(head_size, plan, _rotate_lane_values(head_size, plan))
-        kernel = _function(device_index, "rotate", "rotate_rows", defines)
+        kernel = function(device_index, "rotate", "rotate_rows", defines)
         divisor = float(divisor)
         # rotate.cu's Divide: keep (1), multiply by the reciprocal (a power of two:
         # exact, so the same as dividing), or divide.
@@ -245,7 +250,7 @@ def rotate_rows(x: cupy.ndarray, out: cupy.ndarray, plan: RotationPlan | None, *
         kernel((grid,), (threads,), args)
 
 
-def rotate(x, plan: RotationPlan, inverse: bool, out) -> None:
+def rotate(x, plan: RotationPlan, inverse: bool, out, *, function=None) -> None:
     """out.data = rotation of x.data (interop.Arrays of the same shape and dtype)."""
     if plan.is_identity:
         out.data[...] = x.data
@@ -254,7 +259,7 @@ def rotate(x, plan: RotationPlan, inverse: bool, out) -> None:
     rows = x.data.reshape(-1, head_size)
     out_rows = out.data.reshape(-1, head_size)   # out is fresh and contiguous: a view
     rotate_rows(rows, out_rows, plan, inverse=inverse, divisor=float(plan.norm) if inverse else 1.0,
-                x_dtype=x.dtype, out_dtype=out.dtype)
+                x_dtype=x.dtype, out_dtype=out.dtype, function=function)
 
 
 # --- copy-on-write --------------------------------------------------------
@@ -282,9 +287,11 @@ def _tensor_copy(tensor: cupy.ndarray) -> tuple:
     return (tensor.data.ptr, block_stride, slot_stride, head_stride, heads, slots * heads, row_bytes, width)
 
 
-def copy_blocks(caches, pairs: np.ndarray) -> None:
-    """Block pairs[i, 0] onto pairs[i, 1] in every tensor of every cache: one launch."""
+def copy_blocks(caches, pairs: np.ndarray, *, function=None) -> None:
+    """Block pairs[i, 0] onto pairs[i, 1] in every tensor of every cache: one launch
+    (`function`: as reshape_and_cache's)."""
     import cupy
+    function = function or _function
     pairs = np.ascontiguousarray(pairs, np.int64).reshape(-1, 2)
     if not pairs.size:
         return
@@ -306,7 +313,7 @@ def copy_blocks(caches, pairs: np.ndarray) -> None:
             _descriptor_sets[key] = descriptors
             if len(_descriptor_sets) > _MAX_DESCRIPTOR_SETS:
                 _descriptor_sets.popitem(last=False)
-        kernel = _function(device_index, "copy_blocks", "copy_blocks", ())
+        kernel = function(device_index, "copy_blocks", "copy_blocks", ())
         device_pairs = cupy.asarray(pairs)
         for first in range(0, len(records), 65535):   # gridDim.y <= 65535
             part = descriptors[first:first + 65535]
