@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 try:
     import fcntl
@@ -75,16 +75,21 @@ class CompileError(RuntimeError):
 
 # ---------------------------------------------------------------- sources
 
-def source_dir() -> Path:
-    """kernels_cu/: $KVCUPY_KERNEL_DIR, else inside the package (a wheel), else beside it (a checkout)."""
-    override = os.environ.get(SOURCE_DIR_ENV)
+def _kernel_folder(name: str, override_env: str, what: str) -> Path:
+    """Kernel folder `name`: $override_env, else inside the package (a wheel), else beside it (a checkout)."""
+    override = os.environ.get(override_env)
     if override:
         return Path(override).resolve()
     package = Path(__file__).resolve().parent
-    for candidate in (package / "kernels_cu", package.parent / "kernels_cu"):
+    for candidate in (package / name, package.parent / name):
         if candidate.is_dir():
             return candidate
-    raise FileNotFoundError("kvcupy's CUDA sources (kernels_cu/) are missing from this installation")
+    raise FileNotFoundError(f"kvcupy's {what} sources ({name}/) are missing from this installation")
+
+
+def source_dir() -> Path:
+    """kernels_cu/: $KVCUPY_KERNEL_DIR, else inside the package (a wheel), else beside it (a checkout)."""
+    return _kernel_folder("kernels_cu", SOURCE_DIR_ENV, "CUDA")
 
 
 _INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
@@ -398,27 +403,34 @@ def compile_entry(entry: str, defines: Defines | None = None, arch: str | None =
     arch = arch or device_arch()
     root = Path(root) if root is not None else source_dir()
     key = specialisation_key(entry, defines, arch, extra_options, root)
-    folder = _version_dir() / arch
-    cubin_path = folder / f"{key}.cubin"
-    if cubin_path.is_file():
-        return _cached_result(key, arch, cubin_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    with _exclusive(folder / f"{key}.lock"):
-        if cubin_path.is_file():   # another thread or process built it while this one waited
-            return _cached_result(key, arch, cubin_path)
+
+    def build() -> tuple[bytes, dict]:
         options = compile_options(defines, arch, extra_options)
         started = time.perf_counter()
         cubin, log = _nvrtc_compile(root, entry, key, options)
-        seconds = time.perf_counter() - started
         registers, spills = parse_ptxas_log(log)
-        record = {"key": key, "entry": entry, "arch": arch, "defines": define_values(defines),
-                  "options": list(options), "nvrtc_version": list(nvrtc_version()),
-                  "sources": source_files(entry, root), "seconds": round(seconds, 3),
-                  "registers": registers, "spills": spills, "log": log}
-        # Sidecar first: whoever sees the cubin finds its record.
-        _write_atomically(_sidecar_path(cubin_path), json.dumps(record, indent=1).encode())
-        _write_atomically(cubin_path, cubin)
-    return CompileResult(key, arch, seconds, registers, spills, False, cubin_path)
+        return cubin, {"key": key, "entry": entry, "arch": arch, "defines": define_values(defines),
+                       "options": list(options), "nvrtc_version": list(nvrtc_version()),
+                       "sources": source_files(entry, root), "seconds": round(time.perf_counter() - started, 3),
+                       "registers": registers, "spills": spills, "log": log}
+
+    return _cached_or_built(_version_dir() / arch / f"{key}.cubin", key, arch, build)
+
+
+def _cached_or_built(path: Path, key: str, arch: str, build: Callable[[], tuple[bytes, dict]]) -> CompileResult:
+    """The compiled image at `path` (its sidecar beside it), or `build()`'s (image, record)
+    written there under the key's lock: two processes never build or write one key at once."""
+    if path.is_file():
+        return _cached_result(key, arch, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(path.parent / f"{key}.lock"):
+        if path.is_file():   # another thread or process built it while this one waited
+            return _cached_result(key, arch, path)
+        image, record = build()
+        # Sidecar first: whoever sees the image finds its record.
+        _write_atomically(_sidecar_path(path), json.dumps(record, indent=1).encode())
+        _write_atomically(path, image)
+    return CompileResult(key, arch, record["seconds"], record["registers"], record["spills"], False, path)
 
 
 _lock = threading.Lock()
@@ -464,14 +476,7 @@ _HIP_ROOT_LABELS = ("kernels_hip", "kernels_cu")
 
 def hip_source_dir() -> Path:
     """kernels_hip/: $KVCUPY_HIP_KERNEL_DIR, else inside the package (a wheel), else beside it (a checkout)."""
-    override = os.environ.get(HIP_SOURCE_DIR_ENV)
-    if override:
-        return Path(override).resolve()
-    package = Path(__file__).resolve().parent
-    for candidate in (package / "kernels_hip", package.parent / "kernels_hip"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("kvcupy's HIP sources (kernels_hip/) are missing from this installation")
+    return _kernel_folder("kernels_hip", HIP_SOURCE_DIR_ENV, "HIP")
 
 
 def hip_include_dirs() -> tuple[Path, Path]:
@@ -589,26 +594,19 @@ def compile_hip_entry(entry: str, defines: Defines | None = None, arch: str | No
     arch = arch or hip_device_arch()
     roots = tuple(Path(root) for root in (roots or hip_include_dirs()))
     key = hip_specialisation_key(entry, defines, arch, extra_options, roots)
-    folder = _hip_version_dir() / arch
-    code_path = folder / f"{key}.hsaco"
-    if code_path.is_file():
-        return _cached_result(key, arch, code_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    with _exclusive(folder / f"{key}.lock"):
-        if code_path.is_file():   # another thread or process built it while this one waited
-            return _cached_result(key, arch, code_path)
+
+    def build() -> tuple[bytes, dict]:
         options = hip_compile_options(defines, arch, extra_options)
         started = time.perf_counter()
         code, log = _hiprtc_compile(roots, entry, key, options)
-        seconds = time.perf_counter() - started
         versions = hip_versions()
-        record = {"key": key, "entry": entry, "arch": arch, "defines": define_values(defines),
-                  "options": list(options), "hip_runtime_version": versions["hip_runtime"],
-                  "hiprtc_version": list(versions["hiprtc"]), "sources": hip_source_files(entry, roots),
-                  "seconds": round(seconds, 3), "registers": {}, "spills": {}, "log": log}
-        _write_atomically(_sidecar_path(code_path), json.dumps(record, indent=1).encode())
-        _write_atomically(code_path, code)
-    return CompileResult(key, arch, seconds, {}, {}, False, code_path)
+        return code, {"key": key, "entry": entry, "arch": arch, "defines": define_values(defines),
+                      "options": list(options), "hip_runtime_version": versions["hip_runtime"],
+                      "hiprtc_version": list(versions["hiprtc"]), "sources": hip_source_files(entry, roots),
+                      "seconds": round(time.perf_counter() - started, 3), "registers": {}, "spills": {},
+                      "log": log}
+
+    return _cached_or_built(_hip_version_dir() / arch / f"{key}.hsaco", key, arch, build)
 
 
 _hip_modules: dict = {}
