@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything a GPU is needed for, in one call, from the source tree:
 #   the GPU tests (tools/gpu_tests.py: parallel parts sharing the GPU),
-#   compute-sanitizer memcheck on a subset (decode and prefill over shuffled pages),
-#   the bench of every group (JSON, for docs/measurements/<gpu>.json).
+#   compute-sanitizer memcheck on a subset (decode and prefill over shuffled pages,
+#   and the HIP kernels through the wave64 emulation),
+#   the bench of every group (JSON, for docs/measurements/<gpu>.json), the step
+#   group, and transformers' caches beside kvcupy's (examples/transformers_generate.py).
 # Logs and JSON go to $1 (default: the folder the environment variable OUT names,
 # else ./gpu-check).
 #
@@ -36,10 +38,24 @@ if command -v compute-sanitizer >/dev/null; then
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
         "tests/gpu/test_attention.py" -k "out_of_range_ids_never_fault" >"$out/memcheck.log" 2>&1 || status=1
     tail -3 "$out/memcheck.log"
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
+        "tests/gpu/test_hip_emulation.py" --shard 0/8 >"$out/memcheck-hip.log" 2>&1 || status=1
+    tail -3 "$out/memcheck-hip.log"
 else
     echo "compute-sanitizer not found: memcheck skipped" | tee "$out/memcheck.log"
 fi
 
 python3 -m cli bench --backend cuda --json >"$out/bench.json" 2>"$out/bench.log" || status=1
 tail -5 "$out/bench.log"
+python3 -m cli bench --backend cuda --groups step --json >"$out/step.json" 2>"$out/step.log" || status=1
+tail -3 "$out/step.log"
+# Llama-3-8B's geometry, 4 layers of random weights; each batch and prompt length in
+# its own process (needs transformers, and hqq / optimum-quanto for those rows).
+for shape in "1 1024" "1 8192" "16 1024" "16 8192"; do
+    set -- $shape
+    python3 examples/transformers_generate.py --model random:llama-3-8b --layers 4 --batch "$1" \
+        --prompt-len "$2" --new-tokens 256 --repeat 2 --json \
+        --caches dynamic,int4_per_token_head,int8_per_token_head,fp8_per_token_head,hqq:4,quanto:4 \
+        >"$out/transformers-b$1-p$2.json" 2>>"$out/transformers.log" || status=1
+done
 exit $status
