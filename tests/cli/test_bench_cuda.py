@@ -547,18 +547,22 @@ def test_cuda_only_options_are_refused_on_the_cpu(args, options):
     assert f"Invalid value for {options}: only with --backend cuda (this run uses cpu)" in message, message
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    """`bench` believes CUDA is usable and runs on FakeRunner; returns the runners made."""
+def runs_on_fake_cuda(monkeypatch, runner_class) -> list:
+    """`bench` believes CUDA is usable and runs on `runner_class`; returns the runners made."""
     made = []
 
     def make_runner():
-        made.append(FakeRunner())
+        made.append(runner_class())
         return made[-1]
 
     monkeypatch.setattr(app_module, "_device", lambda backend: "cuda")
     monkeypatch.setattr(bench_cuda, "CudaRunner", make_runner)
     return made
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    return runs_on_fake_cuda(monkeypatch, FakeRunner)
 
 
 def test_cli_dispatches_cuda_to_bench_cuda(fake_cuda):

@@ -16,7 +16,6 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from cli import app as app_module
 from cli import plot
 from cli.app import app
 from kvcupy import bench as bench_cuda
@@ -27,6 +26,8 @@ from kvcupy.bench import shapes
 from kvcupy.bench import step as bench_step
 from kvcupy.bench.shapes import LLAMA_3_8B, PHI_3_MINI, Case, Group, StepShape
 from kvcupy.bench.tables import tables
+
+from .test_bench_cuda import runs_on_fake_cuda
 from kvcupy.bench.targets import STEP_TARGETS, TARGETS, evaluate_targets
 
 BF16 = formats.MODEL_DTYPES["bfloat16"]
@@ -531,15 +532,7 @@ def test_plot_draws_a_step_report(step_run, tmp_path):
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    made = []
-
-    def make_runner():
-        made.append(FakeStepRunner())
-        return made[-1]
-
-    monkeypatch.setattr(app_module, "_device", lambda backend: "cuda")
-    monkeypatch.setattr(bench_cuda, "CudaRunner", make_runner)
-    return made
+    return runs_on_fake_cuda(monkeypatch, FakeStepRunner)
 
 
 def test_cli_runs_the_step_group_to_json(fake_cuda):
