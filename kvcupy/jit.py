@@ -444,16 +444,22 @@ def get_function(entry: str, function: str, defines: Defines, arch: str | None =
     device's own, e.g. sm_90; pass "sm_90a" for a kernel that needs sm_90a-only instructions.
     `root`: another source folder than source_dir(), as for compile_entry."""
     import cupy
-    device = cupy.cuda.runtime.getDevice()
-    memo_key = (device, os.environ.get(SOURCE_DIR_ENV), root and str(root), entry, define_flags(defines), arch,
-                EXTRA_OPTIONS)
-    module = _modules.get(memo_key)
+    memo_key = (cupy.cuda.runtime.getDevice(), os.environ.get(SOURCE_DIR_ENV), root and str(root), entry,
+                define_flags(defines), arch, EXTRA_OPTIONS)
+    return _loaded(_modules, memo_key, lambda: compile_entry(entry, defines, arch or device_arch(),
+                                                             root=root)).get_function(function)
+
+
+def _loaded(modules: dict, memo_key: tuple, compiled: Callable[[], CompileResult]):
+    """The cupy.RawModule of `memo_key` in `modules`, loaded from `compiled()`'s file on
+    first use (two threads may both load it; one module is kept)."""
+    import cupy
+    module = modules.get(memo_key)
     if module is None:
-        result = compile_entry(entry, defines, arch or device_arch(), root=root)
-        module = cupy.RawModule(path=str(result.path))
+        module = cupy.RawModule(path=str(compiled().path))
         with _lock:
-            module = _modules.setdefault(memo_key, module)
-    return module.get_function(function)
+            module = modules.setdefault(memo_key, module)
+    return module
 
 
 # ---------------------------------------------------------------- HIP (ROCm): hipRTC
@@ -618,13 +624,7 @@ def get_hip_function(entry: str, function: str, defines: Defines, arch: str | No
     current ROCm device (a cupy.RawKernel launching on CuPy's current stream); `arch`
     defaults to the device's gfx arch."""
     import cupy
-    device = cupy.cuda.runtime.getDevice()
-    memo_key = (device, os.environ.get(HIP_SOURCE_DIR_ENV), os.environ.get(SOURCE_DIR_ENV),
+    memo_key = (cupy.cuda.runtime.getDevice(), os.environ.get(HIP_SOURCE_DIR_ENV), os.environ.get(SOURCE_DIR_ENV),
                 roots and tuple(map(str, roots)), entry, define_flags(defines), arch, HIP_EXTRA_OPTIONS)
-    module = _hip_modules.get(memo_key)
-    if module is None:
-        result = compile_hip_entry(entry, defines, arch or hip_device_arch(), roots=roots)
-        module = cupy.RawModule(path=str(result.path))
-        with _lock:
-            module = _hip_modules.setdefault(memo_key, module)
-    return module.get_function(function)
+    return _loaded(_hip_modules, memo_key, lambda: compile_hip_entry(entry, defines, arch or hip_device_arch(),
+                                                                     roots=roots)).get_function(function)

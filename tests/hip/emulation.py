@@ -18,6 +18,16 @@ class EmulationCompileError(RuntimeError):
     pass
 
 
+def nvrtc_missing() -> str | None:
+    """Why NVRTC cannot compile here (no CuPy, or no libnvrtc behind it); None if it can."""
+    try:
+        from cupy.cuda import nvrtc
+        nvrtc.getVersion()
+    except Exception as error:
+        return str(error) or type(error).__name__
+    return None
+
+
 def compile_source(source: str, name: str, defines: Mapping[str, object], arch: str) -> bytes:
     """The cubin of `source` (a .hip entry's text, or a probe's) with kernels_hip/ and
     kernels_cu/ as include folders, in that order."""

@@ -15,6 +15,8 @@ from kvcupy import formats
 from kvcupy.backends.cuda.specs import attention_specialisations, write_specialisations
 from kvcupy.backends.rocm import offline, specs
 
+from .emulation import nvrtc_missing
+
 SAMPLE = specs.hip_specialisations(False)
 MERGE_LDS = (8 * 256 + 8 * 32 * 8) * 4   # merge.cuh: weights[kMergeWarps][kMergeMaxSplits], partial[..][32 * kMergeSlots]
 
@@ -30,16 +32,7 @@ def needs_compilers(arch: str):
                                      f"(apt-get install {offline.PACKAGES[tool]} {offline.PACKAGES[offline.READELF]})")
 
 
-def _nvrtc_missing() -> str | None:
-    try:
-        from cupy.cuda import nvrtc
-        nvrtc.getVersion()
-    except Exception as error:   # no CuPy, or no libnvrtc behind it
-        return str(error) or type(error).__name__
-    return None
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_missing() is not None, reason=f"NVRTC is not loadable: {_nvrtc_missing()}")
+needs_nvrtc = pytest.mark.skipif(nvrtc_missing() is not None, reason=f"NVRTC is not loadable: {nvrtc_missing()}")
 
 
 def spec_id(spec) -> str:

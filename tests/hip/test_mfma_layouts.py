@@ -21,13 +21,14 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from kvcupy.backends.rocm import offline
+
+from .emulation import nvrtc_missing
 
 OBJDUMP = "llvm-objdump-19"
 
@@ -383,16 +384,7 @@ def test_a_wrapper_the_arch_lacks_is_a_front_end_error_naming_it(tmp_path):
 
 # --- (c) NVRTC through the emulation -------------------------------------------------
 
-def _nvrtc_missing() -> str | None:
-    try:
-        from cupy.cuda import nvrtc
-        nvrtc.getVersion()
-    except Exception as error:   # no CuPy, or no libnvrtc behind it
-        return str(error) or type(error).__name__
-    return None
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_missing() is not None, reason=f"NVRTC is not loadable: {_nvrtc_missing()}")
+needs_nvrtc = pytest.mark.skipif(nvrtc_missing() is not None, reason=f"NVRTC is not loadable: {nvrtc_missing()}")
 
 
 @needs_nvrtc
