@@ -13,42 +13,42 @@
 # --quick: the long-context error tests and the decode bench group only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-${OUT:-gpu-check}}
+results=${1:-${OUT:-gpu-check}}
 quick=${2:-}
-mkdir -p "$out"
+mkdir -p "$results"
 export PYTHONPATH=.
 export KVCUPY_CACHE_DIR=${KVCUPY_CACHE_DIR:-/tmp/kvcupy-cache}
 status=0
 
-nvidia-smi -L | tee "$out/gpu.txt"
+nvidia-smi -L | tee "$results/gpu.txt"
 
 if [ "$quick" = "--quick" ]; then
-    python3 -m pytest -q -m gpu tests/gpu/test_long_context_error.py >"$out/long-context.log" 2>&1 || status=1
-    tail -3 "$out/long-context.log"
-    python3 -m cli bench --backend cuda --groups decode --json >"$out/bench.json" 2>"$out/bench.log" || status=1
-    tail -3 "$out/bench.log"
+    python3 -m pytest -q -m gpu tests/gpu/test_long_context_error.py >"$results/long-context.log" 2>&1 || status=1
+    tail -3 "$results/long-context.log"
+    python3 -m cli bench --backend cuda --groups decode --json >"$results/bench.json" 2>"$results/bench.log" || status=1
+    tail -3 "$results/bench.log"
     exit $status
 fi
 
-python3 tools/gpu_tests.py --parts 12 --logs "$out/tests" --timeout 420 -- -m gpu -q tests \
-    >"$out/tests.log" 2>&1 || status=1
-tail -5 "$out/tests.log"
+python3 tools/gpu_tests.py --parts 12 --logs "$results/tests" --timeout 420 -- -m gpu -q tests \
+    >"$results/tests.log" 2>&1 || status=1
+tail -5 "$results/tests.log"
 
 if command -v compute-sanitizer >/dev/null; then
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
-        "tests/gpu/test_attention.py" -k "out_of_range_ids_never_fault" >"$out/memcheck.log" 2>&1 || status=1
-    tail -3 "$out/memcheck.log"
+        "tests/gpu/test_attention.py" -k "out_of_range_ids_never_fault" >"$results/memcheck.log" 2>&1 || status=1
+    tail -3 "$results/memcheck.log"
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
-        "tests/gpu/test_hip_emulation.py" --shard 0/8 >"$out/memcheck-hip.log" 2>&1 || status=1
-    tail -3 "$out/memcheck-hip.log"
+        "tests/gpu/test_hip_emulation.py" --shard 0/8 >"$results/memcheck-hip.log" 2>&1 || status=1
+    tail -3 "$results/memcheck-hip.log"
 else
-    echo "compute-sanitizer not found: memcheck skipped" | tee "$out/memcheck.log"
+    echo "compute-sanitizer not found: memcheck skipped" | tee "$results/memcheck.log"
 fi
 
-python3 -m cli bench --backend cuda --json >"$out/bench.json" 2>"$out/bench.log" || status=1
-tail -5 "$out/bench.log"
-python3 -m cli bench --backend cuda --groups step --json >"$out/step.json" 2>"$out/step.log" || status=1
-tail -3 "$out/step.log"
+python3 -m cli bench --backend cuda --json >"$results/bench.json" 2>"$results/bench.log" || status=1
+tail -5 "$results/bench.log"
+python3 -m cli bench --backend cuda --groups step --json >"$results/step.json" 2>"$results/step.log" || status=1
+tail -3 "$results/step.log"
 # Llama-3-8B's geometry, 4 layers of random weights; each batch and prompt length in
 # its own process (needs transformers, and hqq / optimum-quanto for those rows).
 for shape in "1 1024" "1 8192" "16 1024" "16 8192"; do
@@ -56,6 +56,6 @@ for shape in "1 1024" "1 8192" "16 1024" "16 8192"; do
     python3 examples/transformers_generate.py --model random:llama-3-8b --layers 4 --batch "$1" \
         --prompt-len "$2" --new-tokens 256 --repeat 2 --json \
         --caches dynamic,int4_per_token_head,int8_per_token_head,fp8_per_token_head,hqq:4,quanto:4 \
-        >"$out/transformers-b$1-p$2.json" 2>>"$out/transformers.log" || status=1
+        >"$results/transformers-b$1-p$2.json" 2>>"$results/transformers.log" || status=1
 done
 exit $status
