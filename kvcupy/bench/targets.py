@@ -75,38 +75,30 @@ STEP_TARGETS = (
 )
 
 
-def _step_results(groups: list[dict]) -> list[dict]:
-    results = []
-    for target in STEP_TARGETS:
-        shape = {**asdict(target.shape), "block_size": BLOCK_SIZE}
-        group = next((g for g in groups if g["kind"] == "step" and g["shape"] == shape), None)
-        if group is None:
-            continue
-        record = next((r for r in group["cases"] if r["impl"] == target.case.impl
-                       and r["kv_dtype"] == target.case.kv_dtype and r.get("graphed") == target.case.graphed
-                       and r.get("writes") == target.case.writes), None)
-        if record is None:
-            continue
-        measured = record.get(target.metric)
-        met = None if measured is None else (measured <= target.bound if target.at_most else measured >= target.bound)
-        results.append({"target": target.text, "metric": target.metric, "measured": measured,
-                        "bound": target.bound, "met": met})
-    return results
+def _group_of(groups: list[dict], kind: str, shape) -> dict | None:
+    wanted = {**asdict(shape), "block_size": BLOCK_SIZE}
+    return next((g for g in groups if g["kind"] == kind and g["shape"] == wanted), None)
+
+
+def _graded(text: str, metric: str, bound: float, record: dict, at_most: bool = False) -> dict:
+    measured = record.get(metric)
+    met = None if measured is None else (measured <= bound if at_most else measured >= bound)
+    return {"target": text, "metric": metric, "measured": measured, "bound": bound, "met": met}
 
 
 def evaluate_targets(groups: list[dict]) -> list[dict]:
     """Each target whose group ran: measured value, bound, met (None: not measured)."""
     results = []
     for target in TARGETS:
-        shape = {**asdict(target.shape), "block_size": BLOCK_SIZE}
-        group = next((g for g in groups if g["kind"] == target.kind and g["shape"] == shape), None)
-        if group is None:
-            continue
-        record = next((r for r in group["cases"]
-                       if r["impl"] == "kvcupy" and r["kv_dtype"] == target.kv_dtype), None)
-        if record is None:
-            continue
-        measured = record.get(target.metric)
-        results.append({"target": target.text, "metric": target.metric, "measured": measured,
-                        "bound": target.bound, "met": None if measured is None else measured >= target.bound})
-    return results + _step_results(groups)
+        group = _group_of(groups, target.kind, target.shape)
+        record = group and next((r for r in group["cases"]
+                                 if r["impl"] == "kvcupy" and r["kv_dtype"] == target.kv_dtype), None)
+        if record:
+            results.append(_graded(target.text, target.metric, target.bound, record))
+    for target in STEP_TARGETS:
+        group, case = _group_of(groups, "step", target.shape), target.case
+        record = group and next((r for r in group["cases"] if r["impl"] == case.impl and r["kv_dtype"] == case.kv_dtype
+                                 and r.get("graphed") == case.graphed and r.get("writes") == case.writes), None)
+        if record:
+            results.append(_graded(target.text, target.metric, target.bound, record, target.at_most))
+    return results
