@@ -87,14 +87,6 @@ def test_decode_step_replays_from_a_cuda_graph(kv_dtype):
 
 # --- torch.cuda.graph: prefill and mixed batches, refusals, a whole decode step ----
 
-@pytest.fixture
-def torch_cuda():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device here")
-    return torch
-
-
 def torch_cache(torch, cache):
     """A CuPy-held cache as torch tensors over the same memory, as an engine holds it."""
     tensors = (None if t is None else torch.from_dlpack(t) for t in cache.tensors())

@@ -39,14 +39,6 @@ ATTENTION_BOUND = 2e-3 + 2.0 ** -8
 
 
 @pytest.fixture
-def torch_cuda():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device here")
-    return torch
-
-
-@pytest.fixture
 def two_gpus(torch_cuda):
     if torch_cuda.cuda.device_count() < 2 or cupy.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs")
