@@ -334,17 +334,23 @@ def whole_cubin(cubin: bytes) -> bytes:
 
 def _nvrtc_compile(root: Path, entry: str, key: str, options: tuple[str, ...]) -> tuple[bytes, str]:
     """(cubin, program log) of kernels_cu/<entry>.cu, or CompileError carrying the log."""
+    return _runtime_compile(root / f"{entry}.cu", key, (*options, f"-I{root}", *cuda_include_options()), "NVRTC",
+                            lambda nvrtc, program: nvrtc.getCUBIN(program))
+
+
+def _runtime_compile(source: Path, key: str, options: tuple[str, ...], compiler: str,
+                     image: Callable) -> tuple[bytes, str]:
+    """(image(nvrtc, program) made whole, program log) of `source` compiled by CuPy's
+    nvrtc binding (NVRTC, or hipRTC on ROCm), or CompileError carrying the log."""
     from cupy.cuda import nvrtc
-    source = root / f"{entry}.cu"
-    all_options = (*options, f"-I{root}", *cuda_include_options())
     program = nvrtc.createProgram(source.read_text(), str(source), [], [])
     try:
         try:
-            nvrtc.compileProgram(program, list(all_options))
+            nvrtc.compileProgram(program, list(options))
         except nvrtc.NVRTCError as error:
             log = nvrtc.getProgramLog(program).rstrip("\x00") or str(error)
-            raise CompileError(key, all_options, log) from None
-        return whole_cubin(nvrtc.getCUBIN(program)), nvrtc.getProgramLog(program).rstrip("\x00")
+            raise CompileError(key, options, log, compiler=compiler) from None
+        return whole_cubin(image(nvrtc, program)), nvrtc.getProgramLog(program).rstrip("\x00")
     finally:
         nvrtc.destroyProgram(program)
 
@@ -573,22 +579,12 @@ def hip_include_options() -> tuple[str, ...]:
 
 
 def _hiprtc_compile(roots: tuple[Path, ...], entry: str, key: str, options: tuple[str, ...]) -> tuple[bytes, str]:
-    """(code object, program log) of kernels_hip/<entry>.hip, or CompileError carrying the log."""
-    from cupy.cuda import nvrtc
-    source = roots[0] / f"{entry}{HIP_SUFFIX}"
-    all_options = (*options, *(f"-I{root}" for root in roots), *hip_include_options())
-    program = nvrtc.createProgram(source.read_text(), str(source), [], [])
-    try:
-        try:
-            nvrtc.compileProgram(program, list(all_options))
-        except nvrtc.NVRTCError as error:
-            log = nvrtc.getProgramLog(program).rstrip("\x00") or str(error)
-            raise CompileError(key, all_options, log, compiler="hipRTC") from None
-        # On ROCm getPTX is hiprtcGetCode, the code object (an ELF64 image); CuPy drops
-        # its last byte as for PTX text, which whole_cubin puts back.
-        return whole_cubin(nvrtc.getPTX(program)), nvrtc.getProgramLog(program).rstrip("\x00")
-    finally:
-        nvrtc.destroyProgram(program)
+    """(code object, program log) of kernels_hip/<entry>.hip, or CompileError carrying the log.
+    On ROCm getPTX is hiprtcGetCode, the code object (an ELF64 image); CuPy drops its
+    last byte as for PTX text, which whole_cubin puts back."""
+    return _runtime_compile(roots[0] / f"{entry}{HIP_SUFFIX}", key,
+                            (*options, *(f"-I{root}" for root in roots), *hip_include_options()), "hipRTC",
+                            lambda nvrtc, program: nvrtc.getPTX(program))
 
 
 def compile_hip_entry(entry: str, defines: Defines | None = None, arch: str | None = None,
