@@ -28,6 +28,7 @@ from rich.text import Text
 from kvcupy import jit
 from kvcupy.backends.cuda.specs import Specialisation, specialisations
 from kvcupy.backends.rocm import offline
+from kvcupy.backends.rocm.attention import ENTRY as ATTENTION_ENTRY
 from kvcupy.backends.rocm.specs import hip_specialisations
 
 HIP_ARCHES = offline.ARCHES
@@ -200,13 +201,19 @@ def _compile_hip_one(spec: Specialisation, arch: str) -> tuple[list[dict], dict 
     rows = [{"entry": spec.entry, "function": function, "arch": arch, "seconds": round(result.seconds, 3),
              "vgprs": resources.vgprs, "agprs": resources.agprs, "sgprs": resources.sgprs,
              "scratch": resources.scratch_bytes, "spills": resources.vgpr_spills + resources.sgpr_spills,
-             "lds": resources.lds_bytes, "defines": defines}
+             "lds": resources.lds_bytes, "mfma": result.instructions.get(function, {}).get("mfma", 0),
+             "defines": defines}
             for function in spec.functions if (resources := result.kernels.get(function)) is not None]
     failure = None
     if missing:
         failure = {"entry": spec.entry, "arch": arch, "defines": defines, "key": f"{spec.entry}.hip {arch}",
                    "log": f"kernels missing from the code object (not extern \"C\"?): {', '.join(missing)}; "
                           f"it has: {', '.join(result.kernels) or 'none'}"}
+    elif spec.entry == ATTENTION_ENTRY and not all(result.instructions[f].get("mfma") for f in spec.functions):
+        # A silent scalar fallback (an arch guard that missed) must not pass.
+        failure = {"entry": spec.entry, "arch": arch, "defines": defines, "key": f"{spec.entry}.hip {arch}",
+                   "log": f"no v_mfma instruction in {', '.join(spec.functions)}: the attention products "
+                          "did not compile to MFMA for this arch"}
     return rows, failure
 
 
@@ -236,13 +243,13 @@ def hip_check_tables(report: dict) -> Group:
     table.add_column("kernel")
     table.add_column("defines", overflow="fold")
     table.add_column("arch")
-    for column in ("seconds", "VGPRs", "AGPRs", "SGPRs", "scratch", "spills", "LDS"):
+    for column in ("seconds", "VGPRs", "AGPRs", "SGPRs", "scratch", "spills", "LDS", "MFMA"):
         table.add_column(column, justify="right")
     for row in report["results"]:
         defines = " ".join(f"{name}={value}" for name, value in row["defines"].items())
         table.add_row(row["function"], defines, row["arch"], f"{row['seconds']:.2f}", str(row["vgprs"]),
                       str(row["agprs"]), str(row["sgprs"]), str(row["scratch"]), str(row["spills"]),
-                      str(row["lds"]))
+                      str(row["lds"]), str(row["mfma"]))
     parts = [table]
     for failure in report["failures"]:
         defines = " ".join(f"{name}={value}" for name, value in failure["defines"].items())
@@ -250,7 +257,8 @@ def hip_check_tables(report: dict) -> Group:
         parts.append(Text(failure["log"]))
     verdict = "[bold green]PASS[/]" if report["passed"] else f"[bold red]FAIL[/]: {len(report['failures'])} failed"
     parts.append("per lane: VGPRs, AGPRs, SGPRs; scratch: private segment bytes (spilled registers, "
-                 f"local arrays); spills: registers spilled; LDS: shared bytes a block. {verdict}")
+                 f"local arrays); spills: registers spilled; LDS: shared bytes a block; MFMA: v_mfma instructions in "
+                 f"the code (the attention builds must have some). {verdict}")
     return Group(*parts)
 
 

@@ -457,46 +457,69 @@ def test_the_copy_blocks_launch_is_the_cuda_launchers(launchers):
 
 # ---------------------------------------------------------------- attention
 
-class OnRocm:
-    """Host memory that says it lives on ROCm device 0 (DLPack kDLROCM)."""
-
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__()
-
-    def __dlpack_device__(self):
-        return (10, 0)
-
-    @property
-    def shape(self):
-        return self.array.shape
-
-
-def test_paged_attention_on_rocm_is_refused_with_what_is_missing(fake_cupy, hip_kernels, monkeypatch):
-    """Through the public call: the rocm backend is chosen for the ROCm cache, and its
-    plan refuses before any output is made."""
-    monkeypatch.setattr(rocm, "import_dlpack", lambda x: np.from_dlpack(interop._Relabelled(x.__dlpack__(), (1, 0))))
-    monkeypatch.setattr(rocm, "dlpack_stream", lambda device: None)
-    monkeypatch.setattr(rocm, "device_context", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(rocm, "upload", lambda array, device: array)
-    created = []
-    monkeypatch.setattr(rocm, "empty", lambda *args: created.append(args))
-    shape = (4, 16, 2, 64)
-    cache = kc.wrap_cache(OnRocm(np.zeros(shape, np.float16)), OnRocm(np.zeros(shape, np.float16)), kv_dtype="auto")
-    query = OnRocm(np.zeros((1, 4, 64), np.float16))
-    with pytest.raises(NotImplementedError) as error:
-        kc.paged_attention(query, cache, block_table=np.array([[0]], np.int32), seq_lens=np.array([3], np.int32),
-                           cu_seqlens_q=np.array([0, 1], np.int32))
-    message = str(error.value)
-    assert "MFMA attention kernels" in message and "gfx90a" in message and "gfx942" in message
-    assert created == [], "nothing is allocated for a call that cannot run"
+def _mfma_plan(seq_lens, query_lens, *, group=4, kv_heads=2, head_size=128, compute_units=304, hints=True):
+    """rocm.attention.plan_work for a batch of host metadata (hints: plan_batch's own
+    bounds) or of device metadata with only the bounds known (hints=False)."""
+    from kvcupy.backends.rocm import attention as rocm_attention
+    block_size = 16
+    pages = [-(-n // block_size) for n in seq_lens]
+    table = np.zeros((len(seq_lens), max(pages)), np.int32)
+    offsets = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    batch = kc.plan_batch(block_table=table, seq_lens=np.array(seq_lens, np.int32), cu_seqlens_q=offsets,
+                          block_size=block_size, num_blocks=1, num_query_tokens=int(offsets[-1]))
+    if not hints:
+        batch = types.SimpleNamespace(num_seqs=len(seq_lens), host_query_offsets=None,
+                                      bounds=lambda tokens: (max(query_lens), max(seq_lens)))
+    cache = types.SimpleNamespace(num_kv_heads=kv_heads, head_size=head_size, kv_dtype="int4_per_token_head")
+    return rocm_attention.plan_work(batch, cache, group * kv_heads, int(offsets[-1]), compute_units)
 
 
-def test_the_attention_entry_points_both_refuse():
-    for call in (lambda: rocm.plan_attention(None, None, 8, 1),
-                 lambda: rocm.paged_attention(None, None, None, None, softmax_scale=1.0, sliding_window=None,
-                                              softcap=0.0, sinks=None, out=None)):
-        with pytest.raises(NotImplementedError, match="MFMA attention kernels for gfx90a"):
-            call()
+@pytest.mark.parametrize("seq_lens,query_lens,group", [((300, 1000), (1, 1), 4), ((300, 64, 1000), (100, 64, 7), 4),
+                                                       ((513, 1, 90), (1, 1, 90), 16), ((131072,), (1,), 8)])
+def test_the_mfma_plan_covers_every_row_and_key_once(seq_lens, query_lens, group):
+    from kvcupy.backends.rocm.attention import KEYS_PER_STEP, ROWS_PER_TILE
+    work = _mfma_plan(seq_lens, query_lens, group=group)
+    # Row tiles: each sequence's query rows (tokens x group) in tiles of 16, in order.
+    want = [(seq, tile) for seq, length in enumerate(query_lens) for tile in range(-(-length * group // ROWS_PER_TILE))]
+    assert [tuple(row) for row in work.tiles] == want
+    # Splits: whole steps of keys, together covering the longest sequence, none empty.
+    assert work.split_tokens % KEYS_PER_STEP == 0
+    assert work.num_splits * work.split_tokens >= max(seq_lens) > (work.num_splits - 1) * work.split_tokens
+    assert work.kernel.defines == {"KVC_MFMA_KV": 0, "KVC_HEAD_PAD": 128}
+
+
+def test_the_mfma_plan_splits_a_short_batch_and_not_a_wide_one():
+    long_decode = _mfma_plan((32768,), (1,))
+    assert long_decode.num_splits > 16   # one sequence: the splits are the parallelism
+    wide = _mfma_plan((512,) * 256, (1,) * 256, kv_heads=8)
+    assert wide.num_splits == 1          # 2048 blocks already fill 304 compute units
+
+
+def test_the_mfma_plan_from_bounds_gives_every_sequence_the_bounds_tiles():
+    work = _mfma_plan((300, 1000), (5, 40), hints=False)
+    assert [tuple(row) for row in work.tiles] == [(seq, tile) for seq in range(2) for tile in range(10)]
+
+
+@pytest.mark.parametrize("head_size,pad", [(32, 32), (34, 48), (80, 80), (96, 96), (250, 256), (256, 256)])
+def test_the_mfma_build_pads_the_head_to_whole_steps(head_size, pad):
+    assert _mfma_plan((100,), (1,), head_size=head_size).kernel.head_pad == pad
+
+
+def test_the_attention_arguments_are_the_packed_parameters_in_order():
+    """ParameterStruct.arguments (HIP launches through CuPy) and .pack (CUDA's packed
+    launch) give the same fields: each argument converted as its code says."""
+    from kvcupy.backends.cuda.launch import parameter_layout
+    from kvcupy.backends.cuda.params import ATTENTION_PARAMS
+    device_array = types.SimpleNamespace(data=types.SimpleNamespace(ptr=0x7F00_0000_1000))
+    values = dict(query=device_array, key_cache=0x2000, num_tokens=7, group=4, window=100, softcap=5.0,
+                  k_block_stride=1 << 40, split_tokens=256)
+    arguments = ATTENTION_PARAMS.arguments(values)
+    assert len(arguments) == len(ATTENTION_PARAMS.names)
+    by_name = dict(zip(ATTENTION_PARAMS.names, arguments))
+    assert by_name["query"] is device_array and by_name["key_cache"] == 0x2000
+    assert by_name["num_tokens"].dtype == np.int32 and by_name["k_block_stride"].dtype == np.int64
+    assert by_name["softcap"].dtype == np.float32 and by_name["value_cache"] == 0
+    flat = [0x7F00_0000_1000 if a is device_array else a.item() for a in arguments]
+    assert parameter_layout(ATTENTION_PARAMS.signature).pack(*flat) == ATTENTION_PARAMS.pack(values)
+    with pytest.raises(KeyError, match="no field 'nope'"):
+        ATTENTION_PARAMS.arguments({"nope": 1})

@@ -27,8 +27,8 @@ def _have(*tools: str) -> bool:
 
 def needs_compilers(arch: str):
     tool = offline.COMPILERS[arch]
-    return pytest.mark.skipif(not _have(tool, offline.READELF),
-                              reason=f"{tool} or {offline.READELF} is not installed "
+    return pytest.mark.skipif(not _have(tool, offline.READELF, offline.OBJDUMP),
+                              reason=f"{tool}, {offline.READELF} or {offline.OBJDUMP} is not installed "
                                      f"(apt-get install {offline.PACKAGES[tool]} {offline.PACKAGES[offline.READELF]})")
 
 
@@ -42,13 +42,20 @@ def spec_id(spec) -> str:
 # --- the specialisation list ------------------------------------------------------
 
 @pytest.mark.parametrize("all_builds", (False, True), ids=("sample", "all"))
-def test_hip_builds_are_the_cuda_write_family_and_merge_builds(all_builds):
+def test_hip_builds_are_the_cuda_write_family_merge_builds_and_mfma_attention(all_builds):
     found = specs.hip_specialisations(all_builds)
     cuda_merges = [spec for spec in attention_specialisations(False) if spec.functions == ("merge_splits",)]
-    assert found == write_specialisations(all_builds) + [spec._replace(entry="merge") for spec in cuda_merges]
+    attention = [spec for spec in found if spec.entry == "attention"]
+    assert found == (write_specialisations(all_builds) + [spec._replace(entry="merge") for spec in cuda_merges]
+                     + attention)
     assert {spec.defines["KVC_OUT_T"] for spec in found if spec.entry == "merge"} == {
         formats.CPP_TYPES[dtype] for dtype in formats.MODEL_DTYPES.values()}
     assert {spec.entry for spec in found} == set(specs.ENTRIES)
+    # Every KV kind; every padded head size of 32..256 in --all.
+    assert {spec.defines["KVC_MFMA_KV"] for spec in attention} == {0, 1, 2, 3, 4}
+    pads = {spec.defines["KVC_HEAD_PAD"] for spec in attention}
+    assert pads == (set(range(32, 257, 16)) if all_builds else set(specs.SAMPLE_HEAD_PADS))
+    assert len(attention) == len({tuple(sorted(spec.defines.items())) for spec in attention})
 
 
 # --- offline compiles ---------------------------------------------------------------
@@ -64,6 +71,59 @@ def test_every_sampled_build_compiles_offline(spec, arch, tmp_path):
         assert resources.vgprs > 0 and resources.sgprs > 0, resources
         if function == "merge_splits":
             assert resources.lds_bytes == MERGE_LDS, resources
+        mfma = result.instructions[function]["mfma"]
+        if spec.entry == "attention":
+            # Q.K and P.V: (query terms + 1) MFMA a 16-channel step at the least, no scratch.
+            terms = 3 if spec.defines["KVC_MFMA_KV"] == 4 else 2
+            assert mfma >= (terms + 1) * spec.defines["KVC_HEAD_PAD"] // 16, result.instructions
+            assert resources.scratch_bytes == 0, resources
+        else:
+            assert mfma == 0, result.instructions
+
+
+LISTING = """\
+code.co:\tfile format elf64-amdgpu
+
+Disassembly of section .text:
+
+0000000000001000 <first>:
+\ts_load_dwordx4 s[4:7], s[0:1], 0x0                         // 000000001000: C00A0100 00000000
+\tv_mfma_f32_16x16x16f16 a[0:3], v[2:3], v[4:5], a[0:3]     // 000000001008: D3CD8000 04020902
+\tds_read_b64 v[2:3], v4                                    // 000000001010: D8EC0000 02000004
+\tglobal_load_dword v1, v[2:3], off                         // 000000001018: DC508000 017F0002
+\tv_add_f32_e32 v1, v1, v2                                  // 000000001020: 02020501
+\ts_cbranch_scc1 65533                                      // 000000001024: BF85FFFD
+\ts_endpgm                                                  // 000000001028: BF810000
+
+0000000000001100 <second>:
+\tglobal_store_dword v[0:1], v2, off                        // 000000001100: DC708000 007F0200
+\ts_endpgm                                                  // 000000001108: BF810000
+"""
+
+
+def test_the_instruction_mix_counts_each_kernels_own_classes():
+    mix = offline.instruction_mix(LISTING)
+    assert set(mix) == {"first", "second"}
+    assert {name: count for name, count in mix["first"].items() if count} == {
+        "scalar_memory": 1, "mfma": 1, "lds": 1, "global_load": 1, "valu": 1, "branch": 1, "salu": 1}
+    assert {name: count for name, count in mix["second"].items() if count} == {"global_store": 1, "salu": 1}
+
+
+def test_check_fails_an_attention_build_without_mfma(monkeypatch):
+    """A scalar fallback (an arch guard that missed) compiles, but check must refuse it."""
+    from cli import check as check_module
+    spec = specs.mfma_attention_specialisations()[0]
+    resources = offline.KernelResources("mfma_attention", 100, 0, 50, 0, 0, 0, 1024)
+    result = offline.OfflineResult("attention", "gfx942", spec.defines, 0.1, {"mfma_attention": resources}, (),
+                                   {"mfma_attention": {"mfma": 0, "valu": 900}})
+    monkeypatch.setattr(check_module.offline, "compile_hip", lambda *args: result)
+    rows, failure = check_module._compile_hip_one(spec, "gfx942")
+    assert rows and rows[0]["mfma"] == 0
+    assert failure is not None and "no v_mfma instruction" in failure["log"]
+    result = offline.OfflineResult("attention", "gfx942", spec.defines, 0.1, {"mfma_attention": resources}, (),
+                                   {"mfma_attention": {"mfma": 24, "valu": 900}})
+    monkeypatch.setattr(check_module.offline, "compile_hip", lambda *args: result)
+    assert check_module._compile_hip_one(spec, "gfx942")[1] is None
 
 
 NOTES = """\

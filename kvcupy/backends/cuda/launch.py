@@ -83,6 +83,8 @@ def _driver():
 # struct.pack of the whole buffer costs the host less than a ctypes object and
 # pointer a parameter (tools/host_primitives.py).
 _SIZES = {"P": 8, "i": 4, "q": 8, "I": 4, "Q": 8, "f": 4, "d": 8}
+_SCALAR_TYPES = {"P": np.uintp, "i": np.int32, "q": np.int64, "I": np.uint32, "Q": np.uint64, "f": np.float32,
+                 "d": np.float64}
 _BUFFER_POINTER, _BUFFER_SIZE, _END = 1, 2, 0   # CU_LAUNCH_PARAM_* (cuda.h)
 
 
@@ -151,6 +153,20 @@ class ParameterStruct:
                 raise KeyError(f"the parameter struct has no field {name!r}")
             fields[index] = _address(value) if self.signature[index] == "P" else value
         return self._layout.pack(*fields)
+
+    def arguments(self, values: dict) -> tuple:
+        """The fields in order as a kernel call's arguments (CuPy's `Function.__call__`,
+        which HIP launches take): `values` by name, pointers as given (device arrays or
+        addresses), scalars as NumPy scalars of the field's type, every other field zero."""
+        fields = [_SCALAR_TYPES[code](0) for code in self.signature]
+        for name, value in values.items():
+            index = self._index.get(name)
+            if index is None:
+                raise KeyError(f"the parameter struct has no field {name!r}")
+            code = self.signature[index]
+            fields[index] = (value if hasattr(value, "data") else np.uintp(value)) if code == "P" else \
+                _SCALAR_TYPES[code](value)
+        return tuple(fields)
 
 
 def pack_parameters(signature: str, args: tuple) -> bytes:

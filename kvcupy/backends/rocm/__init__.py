@@ -8,7 +8,7 @@ a HIP kernel gets the defines and parameters of its CUDA twin.
 
     arrays.py     availability (CuPy's HIP build, the device's gfx arch); arrays and streams
     write.py      the write, rotate and copy-on-write launchers of the kernels_hip/ entries
-    attention.py  paged attention: refused until the MFMA kernels exist
+    attention.py  paged attention: the MFMA kernel's plan and launches, then the merge
 
 CuPy is imported inside the functions that use it: this package imports on a
 machine without CuPy, where `availability()` says what is missing.

@@ -12,7 +12,8 @@ Compilers, by arch (Debian 12's packages):
   (clang 15 does not know gfx942): packages clang-19, lld-19, libamdhip64-dev.
   The 5.2 device libraries have no oclc_isa_version_942.bc; gfx940's, which
   the gfx94x targets share, serves under that name from a temporary folder.
-The metadata comes from `llvm-readelf-19 --notes` (package llvm-19).
+The metadata comes from `llvm-readelf-19 --notes`, the instruction mix of each
+kernel from `llvm-objdump-19 -d` (package llvm-19).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ ARCHES = ("gfx90a", "gfx942")
 BASE_OPTIONS = jit.HIP_BASE_OPTIONS
 DEVICE_LIBRARIES = Path("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
 READELF = "llvm-readelf-19"
+OBJDUMP = "llvm-objdump-19"
 COMPILERS = {"gfx90a": "hipcc", "gfx942": "clang++-19"}
-PACKAGES = {"hipcc": "hipcc libamdhip64-dev", "clang++-19": "clang-19 lld-19 libamdhip64-dev", READELF: "llvm-19"}
+PACKAGES = {"hipcc": "hipcc libamdhip64-dev", "clang++-19": "clang-19 lld-19 libamdhip64-dev", READELF: "llvm-19", OBJDUMP: "llvm-19"}
 
 
 class MissingCompiler(RuntimeError):
@@ -71,6 +73,7 @@ class OfflineResult:
     seconds: float
     kernels: dict          # name -> KernelResources
     command: tuple
+    instructions: dict     # name -> {instruction class: count} (instruction_mix)
 
 
 def _tool(name: str) -> str:
@@ -86,6 +89,7 @@ def require_tools(arches) -> None:
         _check_arch(arch)
         _tool(COMPILERS[arch])
     _tool(READELF)
+    _tool(OBJDUMP)
 
 
 def _check_arch(arch: str) -> None:
@@ -167,6 +171,42 @@ def read_resources(code_object: Path) -> dict[str, KernelResources]:
     return {name: _resources(fields) for name, fields in kernel_metadata(completed.stdout).items()}
 
 
+# Instruction classes of a kernel's disassembly, by mnemonic (the first match counts).
+INSTRUCTION_CLASSES = (
+    ("mfma", re.compile(r"v_mfma_")),
+    ("lds", re.compile(r"ds_")),
+    ("global_load", re.compile(r"(global|buffer|flat)_load")),
+    ("global_store", re.compile(r"(global|buffer|flat)_store")),
+    ("scalar_memory", re.compile(r"s_(load|buffer_load|store)")),
+    ("branch", re.compile(r"s_(cbranch|branch|setpc|swappc)")),
+    ("valu", re.compile(r"v_")),
+    ("salu", re.compile(r"s_")),
+)
+_LISTING_KERNEL = re.compile(r"^[0-9a-f]+ <([\w.]+)>:$")
+_LISTING_INSTRUCTION = re.compile(r"^\s+([a-z_][a-z0-9_]*)\b")
+
+
+def instruction_mix(listing: str) -> dict[str, dict[str, int]]:
+    """{kernel: {class: count}} of `llvm-objdump -d` output: each instruction's mnemonic
+    in the first INSTRUCTION_CLASSES class it matches, "other" where none does."""
+    mixes, current = {}, None
+    for line in listing.splitlines():
+        if found := _LISTING_KERNEL.match(line):
+            current = mixes.setdefault(found.group(1), {name: 0 for name, _ in INSTRUCTION_CLASSES} | {"other": 0})
+        elif current is not None and (found := _LISTING_INSTRUCTION.match(line)):
+            mnemonic = found.group(1)
+            kind = next((name for name, pattern in INSTRUCTION_CLASSES if pattern.match(mnemonic)), "other")
+            current[kind] += 1
+    return mixes
+
+
+def read_instruction_mix(code_object: Path) -> dict[str, dict[str, int]]:
+    completed = subprocess.run([_tool(OBJDUMP), "-d", str(code_object)], capture_output=True, text=True)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{OBJDUMP} could not read {code_object}: {completed.stderr.strip()}")
+    return instruction_mix(completed.stdout)
+
+
 def compile_hip(entry: str, defines: Mapping[str, object] | None = None, arch: str = "gfx90a",
                 keep: Path | None = None) -> OfflineResult:
     """Build `kernels_hip/<entry>.hip` for `arch` and read its kernels' resources.
@@ -185,6 +225,8 @@ def compile_hip(entry: str, defines: Mapping[str, object] | None = None, arch: s
         if completed.returncode != 0 or not output.is_file():
             raise OfflineCompileError(entry, arch, command, (completed.stderr + completed.stdout).strip())
         kernels = read_resources(output)
+        instructions = read_instruction_mix(output)
         if keep is not None:
             shutil.copyfile(output, keep)
-    return OfflineResult(entry, arch, defines, seconds, kernels, tuple(command))
+    return OfflineResult(entry, arch, defines, seconds, kernels, tuple(command),
+                         {name: instructions.get(name, {}) for name in kernels})
