@@ -62,6 +62,7 @@ struct Shared {
   int key_zero[T::kKeys], value_zero[T::kKeys];
   long long block[T::kKeys];               // physical block of each key, -1 outside the split's keys
   int slot[T::kKeys];
+  int broken_value[T::kKeys];              // 16-bit rows: the key's value row held a NaN or inf
 };
 
 template <bool FIRST, class A, class B>
@@ -137,6 +138,7 @@ struct MfmaAttention {
       }
       shared.block[l] = block;
       shared.slot[l] = slot;
+      shared.broken_value[l] = 0;
       float key_step = 0.f, value_step = 0.f;
       int key_zero = 0, value_zero = 0;
       if (T::kQuantized && block >= 0) {
@@ -182,7 +184,13 @@ struct MfmaAttention {
         shared.values[(channel + 1) * T::kValuePitch + key] = code_bits(v_code >> 4, v_zero);
       } else {
         shared.keys[key * T::kKeyPitch + channel] = code_bits(k_code, 0);
-        shared.values[channel * T::kValuePitch + key] = code_bits(v_code, 0);
+        // A 16-bit row is stored as given: a NaN or inf there would reach, as 0 x NaN,
+        // the rows of the tile that cannot see its key. It enters as 0, and the rows
+        // that see the key get a NaN weight instead (below).
+        const u32 exponent_mask = T::kBf16 ? 0x7F80u : 0x7C00u;
+        const bool broken = !T::kQuantized && (v_code & exponent_mask) == exponent_mask;
+        if (broken) shared.broken_value[key] = 1;
+        shared.values[channel * T::kValuePitch + key] = broken ? u16(0) : code_bits(v_code, 0);
       }
     }
     wave_sync();
@@ -191,8 +199,9 @@ struct MfmaAttention {
   static __device__ void run(const Params& p) {
     __shared__ S shared;
     const int l = kvc::lane_in_wave(), column = l & 15, group_of_lanes = l >> 4;
-    const int split = blockIdx.x, kv_head = blockIdx.z;
-    const int sequence = p.tiles[2 * blockIdx.y], row_tile = p.tiles[2 * blockIdx.y + 1];
+    // Tiles on x, whose grid dimension takes any count (a long prompt's row tiles), splits on y.
+    const int split = blockIdx.y, kv_head = blockIdx.z;
+    const int sequence = p.tiles[2 * blockIdx.x], row_tile = p.tiles[2 * blockIdx.x + 1];
     const int query_begin = p.cu_seqlens_q[sequence];
     const int query_len = p.cu_seqlens_q[sequence + 1] - query_begin;
     const int seq_len = p.seq_lens[sequence];
@@ -316,8 +325,9 @@ struct MfmaAttention {
       float weight[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        weight[e] = probability[e];
-        if (T::kQuantized) weight[e] = visible[e] ? probability[e] * (shared.value_step[4 * group_of_lanes + e] / reference) : 0.f;
+        const int key = 4 * group_of_lanes + e;
+        if (T::kQuantized) weight[e] = visible[e] ? probability[e] * (shared.value_step[key] / reference) : 0.f;
+        else weight[e] = visible[e] && shared.broken_value[key] ? __uint_as_float(0x7FC00000u) : probability[e];
       }
       const Operand weights = operand(pack(weight[0], weight[1]), pack(weight[2], weight[3]));
 #pragma unroll

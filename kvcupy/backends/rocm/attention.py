@@ -160,7 +160,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             table_width=table.shape[1], split_tokens=plan.split_tokens, window=sliding_window or 0,
             softcap=softcap))
         attention = _function(device.index, ENTRY, FUNCTION, plan.kernel.defines)
-        attention((plan.num_splits, plan.num_tiles, cache.num_kv_heads), (WAVE,), arguments)
+        attention((plan.num_tiles, plan.num_splits, cache.num_kv_heads), (WAVE,), arguments)
         # 3. The merge of the splits and the sinks, rotated back where it can; 4. kron's rotate launch.
         sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
         signs = plan.rotations.get(("signs", rotation))
