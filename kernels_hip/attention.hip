@@ -60,8 +60,7 @@ struct Shared {
   u16 values[HEAD_PAD * T::kValuePitch];   // [channel][key]
   float key_step[T::kKeys], value_step[T::kKeys];
   int key_zero[T::kKeys], value_zero[T::kKeys];
-  long long block[T::kKeys];               // physical block of each key, -1 outside the split's keys
-  int slot[T::kKeys];
+  long long key_row[T::kKeys], value_row[T::kKeys];   // byte offsets of each key's rows, -1 outside the split
   int broken_value[T::kKeys];              // 16-bit rows: the key's value row held a NaN or inf
 };
 
@@ -121,76 +120,98 @@ struct MfmaAttention {
     else return u16(code);
   }
 
-  // Keys base .. base + 15 of the split into shared memory: codes as operand bits
-  // (keys row-major, values transposed), scales and zero-points. A key outside
-  // [begin, end) is staged as zeros with scale 0, so that nothing stale enters.
-  static __device__ void stage(const Params& p, S& shared, int sequence, int kv_head, int base, int begin, int end) {
+  // `count` codes of one key's K and V rows, packed in a word from channel `channel`
+  // on, into the tile: keys row-major, values transposed.
+  template <int COUNT>
+  static __device__ __forceinline__ void put_codes(S& shared, int key, int channel, u32 k_word, u32 v_word) {
+    constexpr int kBits = KV == KV_INT4 ? 4 : T::kQuantized ? 8 : 16;
+    constexpr u32 kMask = (1u << kBits) - 1u;
+    const int k_zero = shared.key_zero[key], v_zero = shared.value_zero[key];
+#pragma unroll
+    for (int j = 0; j < COUNT; ++j) {
+      const u32 k_code = (k_word >> (kBits * j)) & kMask, v_code = (v_word >> (kBits * j)) & kMask;
+      shared.keys[key * T::kKeyPitch + channel + j] = code_bits(k_code, k_zero);
+      // A 16-bit row is stored as given: a NaN or inf there would reach, as 0 x NaN,
+      // the rows of the tile that cannot see its key. It enters as 0, and the rows
+      // that see the key get a NaN weight instead (run).
+      const u32 exponent_mask = T::kBf16 ? 0x7F80u : 0x7C00u;
+      const bool broken = !T::kQuantized && (v_code & exponent_mask) == exponent_mask;
+      if (broken) shared.broken_value[key] = 1;
+      shared.values[(channel + j) * T::kValuePitch + key] = broken ? u16(0) : code_bits(v_code, v_zero);
+    }
+  }
+
+  // Keys base .. base + 15 of the split into shared memory: codes as operand bits,
+  // scales and zero-points. A key outside [begin, end) is staged as zeros with scale
+  // 0, so that nothing stale enters. `words`: every row and stride is a whole number
+  // of 4-byte words (the common case), read a word a lane; else a byte (a 16-bit
+  // element) at a time.
+  static __device__ void stage(const Params& p, S& shared, int sequence, int kv_head, int base, int begin, int end,
+                               bool words) {
     const int l = kvc::lane_in_wave();
     if (l < T::kKeys) {
       const int position = base + l;
-      long long block = -1;
-      int slot = 0;
+      long long k_row = -1, v_row = -1;
+      float key_step = 0.f, value_step = 0.f;
+      int key_zero = 0, value_zero = 0;
       if (position >= begin && position < end) {
         const int page = min(position / p.block_size, p.table_width - 1);
         const int id = p.block_table[static_cast<long long>(sequence) * p.table_width + page];
-        block = min(max(id, 0), p.num_blocks - 1);   // out-of-range ids read a real block, never past the cache
-        slot = position % p.block_size;
+        const long long block = min(max(id, 0), p.num_blocks - 1);   // a bad id reads a real block, never past the cache
+        const int slot = position % p.block_size;
+        k_row = block * p.k_block_stride + slot * p.k_slot_stride + kv_head * p.k_head_stride;
+        v_row = block * p.v_block_stride + slot * p.v_slot_stride + kv_head * p.v_head_stride;
+        if (T::kQuantized) {
+          const u32 k_word = *reinterpret_cast<const u32*>(p.k_scales + block * p.ks_block_stride +
+                                                            slot * p.ks_slot_stride + kv_head * p.ks_head_stride);
+          const u32 v_word = *reinterpret_cast<const u32*>(p.v_scales + block * p.vs_block_stride +
+                                                            slot * p.vs_slot_stride + kv_head * p.vs_head_stride);
+          // int4: the zero-point rides in the scale's four lowest mantissa bits (docs/format.md).
+          const u32 mask = KV == KV_INT4 ? ~0xFu : ~0u;
+          key_step = __uint_as_float(k_word & mask);
+          value_step = __uint_as_float(v_word & mask);
+          key_zero = KV == KV_INT4 ? int(k_word & 0xFu) : 0;
+          value_zero = KV == KV_INT4 ? int(v_word & 0xFu) : 0;
+        }
       }
-      shared.block[l] = block;
-      shared.slot[l] = slot;
+      shared.key_row[l] = k_row;
+      shared.value_row[l] = v_row;
       shared.broken_value[l] = 0;
-      float key_step = 0.f, value_step = 0.f;
-      int key_zero = 0, value_zero = 0;
-      if (T::kQuantized && block >= 0) {
-        const u32 k_word = *reinterpret_cast<const u32*>(p.k_scales + block * p.ks_block_stride +
-                                                          slot * p.ks_slot_stride + kv_head * p.ks_head_stride);
-        const u32 v_word = *reinterpret_cast<const u32*>(p.v_scales + block * p.vs_block_stride +
-                                                          slot * p.vs_slot_stride + kv_head * p.vs_head_stride);
-        // int4: the zero-point rides in the scale's four lowest mantissa bits (docs/format.md).
-        const u32 mask = KV == KV_INT4 ? ~0xFu : ~0u;
-        key_step = __uint_as_float(k_word & mask);
-        value_step = __uint_as_float(v_word & mask);
-        key_zero = KV == KV_INT4 ? int(k_word & 0xFu) : 0;
-        value_zero = KV == KV_INT4 ? int(v_word & 0xFu) : 0;
-      }
       shared.key_step[l] = key_step;
       shared.value_step[l] = value_step;
       shared.key_zero[l] = key_zero;
       shared.value_zero[l] = value_zero;
     }
     wave_sync();
-    // Units of a row: bytes (two int4 codes, or one 8-bit code) or 16-bit elements.
-    constexpr int kUnitBytes = T::kQuantized ? 1 : 2;
-    constexpr int kPerUnit = KV == KV_INT4 ? 2 : 1;   // channels a unit
-    const int units = p.head_size / kPerUnit;
-    for (int i = l; i < T::kKeys * units; i += kvc::kWaveLanes) {
-      const int key = i / units, unit = i - key * units, channel = unit * kPerUnit;
-      const long long block = shared.block[key];
-      u32 k_code = 0, v_code = 0;
-      if (block >= 0) {
-        const long long at = static_cast<long long>(unit) * kUnitBytes;
-        const u8* k_row = p.key_cache + block * p.k_block_stride + shared.slot[key] * p.k_slot_stride +
-                          kv_head * p.k_head_stride + at;
-        const u8* v_row = p.value_cache + block * p.v_block_stride + shared.slot[key] * p.v_slot_stride +
-                          kv_head * p.v_head_stride + at;
-        k_code = kUnitBytes == 1 ? u32(*k_row) : u32(*reinterpret_cast<const u16*>(k_row));
-        v_code = kUnitBytes == 1 ? u32(*v_row) : u32(*reinterpret_cast<const u16*>(v_row));
+    constexpr int kChannelsPerByte = KV == KV_INT4 ? 2 : 1;
+    constexpr int kUnitBytes = T::kQuantized ? 1 : 2;   // the narrow path's unit: a byte or a 16-bit element
+    if (words) {
+      constexpr int kPerWord = 4 * kChannelsPerByte / kUnitBytes;   // channels a word
+      const int per_row = p.head_size / kPerWord;
+      for (int i = l; i < T::kKeys * per_row; i += kvc::kWaveLanes) {
+        const int key = i / per_row, word = i - key * per_row;
+        const long long k_row = shared.key_row[key], v_row = shared.value_row[key];
+        u32 k_word = 0, v_word = 0;
+        if (k_row >= 0) {
+          k_word = *reinterpret_cast<const u32*>(p.key_cache + k_row + 4 * word);
+          v_word = *reinterpret_cast<const u32*>(p.value_cache + v_row + 4 * word);
+        }
+        put_codes<kPerWord>(shared, key, word * kPerWord, k_word, v_word);
       }
-      if (KV == KV_INT4) {
-        const int k_zero = block >= 0 ? shared.key_zero[key] : 0, v_zero = block >= 0 ? shared.value_zero[key] : 0;
-        shared.keys[key * T::kKeyPitch + channel] = code_bits(k_code & 0xFu, k_zero);
-        shared.keys[key * T::kKeyPitch + channel + 1] = code_bits(k_code >> 4, k_zero);
-        shared.values[channel * T::kValuePitch + key] = code_bits(v_code & 0xFu, v_zero);
-        shared.values[(channel + 1) * T::kValuePitch + key] = code_bits(v_code >> 4, v_zero);
-      } else {
-        shared.keys[key * T::kKeyPitch + channel] = code_bits(k_code, 0);
-        // A 16-bit row is stored as given: a NaN or inf there would reach, as 0 x NaN,
-        // the rows of the tile that cannot see its key. It enters as 0, and the rows
-        // that see the key get a NaN weight instead (below).
-        const u32 exponent_mask = T::kBf16 ? 0x7F80u : 0x7C00u;
-        const bool broken = !T::kQuantized && (v_code & exponent_mask) == exponent_mask;
-        if (broken) shared.broken_value[key] = 1;
-        shared.values[channel * T::kValuePitch + key] = broken ? u16(0) : code_bits(v_code, 0);
+    } else {
+      constexpr int kPerUnit = KV == KV_INT4 ? 2 : 1;
+      const int per_row = p.head_size / kPerUnit;
+      for (int i = l; i < T::kKeys * per_row; i += kvc::kWaveLanes) {
+        const int key = i / per_row, unit = i - key * per_row;
+        const long long k_row = shared.key_row[key], v_row = shared.value_row[key];
+        u32 k_code = 0, v_code = 0;
+        if (k_row >= 0) {
+          const u8* k_at = p.key_cache + k_row + unit * kUnitBytes;
+          const u8* v_at = p.value_cache + v_row + unit * kUnitBytes;
+          k_code = kUnitBytes == 1 ? u32(*k_at) : u32(*reinterpret_cast<const u16*>(k_at));
+          v_code = kUnitBytes == 1 ? u32(*v_at) : u32(*reinterpret_cast<const u16*>(v_at));
+        }
+        put_codes<kPerUnit>(shared, key, unit * kPerUnit, k_code, v_code);
       }
     }
     wave_sync();
@@ -224,6 +245,12 @@ struct MfmaAttention {
     const long long split_begin = static_cast<long long>(split) * p.split_tokens;
     const int begin = int(max(static_cast<long long>(seen_begin), split_begin));
     const int end = int(min(static_cast<long long>(highest) + 1, split_begin + p.split_tokens));
+
+    // Whole words: every row and stride of K and V, and their bases, 4-byte aligned.
+    const long long alignment = p.row_bytes | p.k_block_stride | p.k_slot_stride | p.k_head_stride | p.v_block_stride |
+                                p.v_slot_stride | p.v_head_stride | reinterpret_cast<long long>(p.key_cache) |
+                                reinterpret_cast<long long>(p.value_cache);
+    const bool words = (alignment & 3) == 0;
 
     // Padding channels stay zero: the query's are zero, and 0 x stale NaN would not be.
     for (int i = l; i < T::kKeys * T::kKeyPitch; i += kvc::kWaveLanes) shared.keys[i] = 0;
@@ -271,7 +298,7 @@ struct MfmaAttention {
     for (int s = 0; s < T::kSteps; ++s) out[s] = kvc_mfma::make_f32x4(0.f, 0.f, 0.f, 0.f);
 
     for (int base = begin - (begin & 15); base < end; base += T::kKeys) {
-      stage(p, shared, sequence, kv_head, base, begin, end);
+      stage(p, shared, sequence, kv_head, base, begin, end, words);
 
       // Scores of keys 4g .. 4g + 3 for this lane's row.
       f32x4 score = kvc_mfma::make_f32x4(0.f, 0.f, 0.f, 0.f);

@@ -9,8 +9,9 @@ For each KV kind at d = 128 (the bench's geometry: 32 query / 8 KV heads), the
 gfx942 build (rocm.offline, Debian's clang++-19) is disassembled and its key-step
 loop found: the outermost backward branch whose body holds the v_mfma
 instructions. Per step, the instructions of that body, with the staging loop
-inside it (the one with global loads) counted as many times as it iterates
-(16 keys x the row's units / 64 lanes), each other inner loop once. Registers
+inside it that reads whole words counted as many times as it iterates (16 keys
+x the row's 4-byte words / 64 lanes), the narrow one (unaligned caches) not at
+all, each other inner loop once. Registers
 and LDS give the waves a SIMD can hold.
 
 The time model, per wave-step on one SIMD of MI300X (304 CUs x 4 SIMDs at
@@ -48,7 +49,7 @@ VGPRS_PER_SIMD_LANE, MAX_WAVES_PER_SIMD, VGPR_GRANULE, LDS_PER_CU = 512, 8, 8, 6
 HEADS, KV_HEADS, HEAD_SIZE = 32, 8, 128
 KINDS = {"int4": 0, "int8": 1, "fp8": 2, "bf16 rows": 4}
 ROW_BYTES = {0: HEAD_SIZE // 2 + 4, 1: HEAD_SIZE + 4, 2: HEAD_SIZE + 4, 4: 2 * HEAD_SIZE}   # a token's K row + scale
-UNITS = {0: HEAD_SIZE // 2, 1: HEAD_SIZE, 2: HEAD_SIZE, 4: HEAD_SIZE}   # staging units a row (attention.hip)
+WORDS = {0: HEAD_SIZE // 8, 1: HEAD_SIZE // 4, 2: HEAD_SIZE // 4, 4: HEAD_SIZE // 2}   # 4-byte words a row
 
 _LABEL = re.compile(r"^([0-9a-f]+) <(\w+)>:$")
 _INSTRUCTION = re.compile(r"^\s+([a-z_][a-z0-9_]*)\s*([^/]*)//\s*([0-9A-F]+):")
@@ -103,14 +104,18 @@ def step_mix(code: list, kv: int) -> dict[str, float]:
     with_mfma = [(a, b) for a, b in found if any(m.startswith("v_mfma") for _, m, _ in code[a:b + 1])]
     first, last = max(with_mfma, key=lambda loop: loop[1] - loop[0])
     total = {name: float(count) for name, count in counts(first, last).items()}
-    staging_iterations = math.ceil(KEYS_PER_STEP * UNITS[kv] / 64)
+    staging_iterations = math.ceil(KEYS_PER_STEP * WORDS[kv] / 64)
     inner = [(a, b) for a, b in found if first <= a and b <= last and (a, b) != (first, last)]
     outermost = [(a, b) for a, b in inner if not any(c <= a and b <= d and (c, d) != (a, b) for c, d in inner)]
     for a, b in outermost:
         body = counts(a, b)
-        if body.get("global_load"):
-            for name, count in body.items():
-                total[name] = total.get(name, 0.0) + (staging_iterations - 1) * count
+        if not body.get("global_load"):
+            continue
+        loads = {mnemonic for _, mnemonic, _ in code[a:b + 1] if classify(mnemonic) == "global_load"}
+        # The staging by words runs `staging_iterations` times; the narrow (byte) one not at all.
+        times = staging_iterations if loads <= {"global_load_dword"} else 0
+        for name, count in body.items():
+            total[name] = total.get(name, 0.0) + (times - 1) * count
     return total
 
 

@@ -156,7 +156,8 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             **_strides(plan, cache), block_table=table, seq_lens=arrays["seq_lens"],
             cu_seqlens_q=arrays["cu_seqlens_q"], tiles=plan.tiles, part_out=part_out, part_stats=part_stats,
             num_tokens=num_tokens, num_heads=num_heads, group=num_heads // cache.num_kv_heads,
-            head_size=head_size, block_size=cache.block_size, num_blocks=cache.num_blocks,
+            head_size=head_size, row_bytes=cache.key_cache.shape[3] * cache.key_cache.itemsize,
+            block_size=cache.block_size, num_blocks=cache.num_blocks,
             table_width=table.shape[1], split_tokens=plan.split_tokens, window=sliding_window or 0,
             softcap=softcap))
         attention = _function(device.index, ENTRY, FUNCTION, plan.kernel.defines)
