@@ -2,7 +2,7 @@
 # Everything a GPU is needed for, in one call, from the source tree:
 #   the GPU tests (tools/gpu_tests.py: parallel parts sharing the GPU),
 #   compute-sanitizer memcheck on a subset (decode and prefill over shuffled pages,
-#   and the HIP kernels through the wave64 emulation),
+#   and the HIP kernels, MFMA attention included, through the wave64 and MFMA emulations),
 #   the bench of every group (JSON, for docs/measurements/<gpu>.json), the step
 #   group, and transformers' caches beside kvcupy's (examples/transformers_generate.py).
 # Logs and JSON go to $1 (default: the folder the environment variable OUT names,
@@ -41,6 +41,10 @@ if command -v compute-sanitizer >/dev/null; then
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
         "tests/gpu/test_hip_emulation.py" --shard 0/8 >"$results/memcheck-hip.log" 2>&1 || status=1
     tail -3 "$results/memcheck-hip.log"
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
+        "tests/gpu/test_hip_attention.py" -k "out_of_range or window_softcap_sinks or block_sizes_and_gqa" \
+        >"$results/memcheck-hip-attention.log" 2>&1 || status=1
+    tail -3 "$results/memcheck-hip-attention.log"
 else
     echo "compute-sanitizer not found: memcheck skipped" | tee "$results/memcheck.log"
 fi
