@@ -131,6 +131,7 @@ class ParameterStruct:
         if len(self._index) != len(self.names):
             raise ValueError("a field name repeats")
         self._zeros = tuple(0.0 if code in "fd" else 0 for code in self.signature)
+        self._pointers = frozenset(index for index, code in enumerate(self.signature) if code == "P")
 
     @property
     def offsets(self) -> dict:
@@ -147,11 +148,17 @@ class ParameterStruct:
         """The parameter bytes: `values` by field name (device arrays or addresses for
         pointers), every other field zero."""
         fields = list(self._zeros)
+        index_of, pointers = self._index, self._pointers
         for name, value in values.items():
-            index = self._index.get(name)
+            index = index_of.get(name)
             if index is None:
                 raise KeyError(f"the parameter struct has no field {name!r}")
-            fields[index] = _address(value) if self.signature[index] == "P" else value
+            if index in pointers:
+                try:   # a device array (the common case, first): its address
+                    value = value.data.ptr
+                except AttributeError:
+                    value = _address(value)
+            fields[index] = value
         return self._layout.pack(*fields)
 
     def arguments(self, values: dict) -> tuple:
