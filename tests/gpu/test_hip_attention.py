@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import kvcupy as kc
-from kvcupy import backends
+from kvcupy import backends, reference
 
 pytestmark = pytest.mark.gpu
 if not backends.status("cuda").usable:
@@ -186,3 +186,20 @@ def test_the_error_per_channel_does_not_grow_with_the_context(phase, attention, 
         worst[context] = float(mean_abs.max())
     shortest, longest = long_context.GPU_CONTEXTS[0], long_context.GPU_CONTEXTS[-1]
     assert worst[longest] <= long_context.GROWTH * worst[shortest] + long_context.FLOOR, worst
+
+
+@pytest.mark.parametrize("rotation", ["blockdiag", "kron"])
+def test_a_strided_out_gets_the_rows(rotation):
+    """`out` a view with padded rows: the merge's (and the rotate kernel's) whole rows
+    reach it through a contiguous copy, and nothing beside the view changes."""
+    rng = np.random.default_rng(3)
+    batch = cuda_cases.paged_batch(rng, [90, 40], [1, 7], 16)
+    cache = cuda_cases.host_cache(rng, batch, "int4_per_token_head", 64, 2, 16, np.float16, rotation)
+    query = rng.standard_normal((batch.num_queries, 8, 64)).astype(np.float32)
+    args = dict(block_table=batch.block_table, seq_lens=batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q)
+    expected = reference.paged_attention(query, cache, **args)
+    padded = cupy.full((batch.num_queries, 8, 80), 7.0, cupy.float32)
+    kc.paged_attention(cupy.asarray(query), cuda_cases.device_view(cache), **args, out=padded[..., :64])
+    got = cupy.asnumpy(padded)
+    cuda_cases.check(f"strided out {rotation}", got[..., :64], expected, np.float32)
+    assert (got[..., 64:] == 7.0).all()

@@ -17,7 +17,7 @@ the same sources through the wave64 and MFMA emulations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -123,30 +123,24 @@ def _function(device_index: int, entry: str, function: str, defines: dict):
 def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sliding_window,
                     softcap: float, sinks, out) -> None:
     import cupy
-    if not out.data.flags.c_contiguous:
-        # The merge (and the rotate kernel) write whole rows back to back.
-        with cupy.cuda.Device(cache.device.index):
-            rows = replace(out, data=cupy.empty(out.data.shape, out.data.dtype))
-        paged_attention(query, cache, batch, plan, softmax_scale=softmax_scale, sliding_window=sliding_window,
-                        softcap=softcap, sinks=sinks, out=rows)
-        out.data[...] = rows.data
-        return
-    device = cache.device
-    num_tokens, num_heads, head_size = query.shape
-    rows = (num_tokens, num_heads, head_size)
-    rotation = cache.rotation
+    device, rotation = cache.device, cache.rotation
+    shape = query.shape
+    head_size = shape[2]
     rotated = rotation is not None and not rotation.is_identity
     in_merge = not rotated or rotation.kind == "blockdiag"   # the merge rotates back; else the rotate kernel
     arrays = batch.arrays(write.arrays, device)
     with cupy.cuda.Device(device.index):
+        # The merge and the rotate kernel write whole rows back to back: a strided
+        # `out` gets them through a contiguous copy.
+        out_rows = out.data if out.data.flags.c_contiguous else cupy.empty(shape, out.data.dtype)
         # 1. The query in float32, rotated and scaled.
-        query_rows = _buffer(plan, "query", rows, device)
+        query_rows = _buffer(plan, "query", shape, device)
         write.rotate_rows(cupy.ascontiguousarray(query.data).reshape(-1, head_size), query_rows.reshape(-1, head_size),
                           rotation, inverse=False, divisor=query_divisor(rotation, softmax_scale),
                           x_dtype=query.dtype, out_dtype=np.dtype(np.float32))
         # 2. The attention grid: each split's partial state.
-        part_out = _buffer(plan, "part_out", (plan.num_splits,) + rows, device)
-        part_stats = _buffer(plan, "part_stats", (plan.num_splits, num_tokens, num_heads, 2), device)
+        part_out = _buffer(plan, "part_out", (plan.num_splits,) + shape, device)
+        part_stats = _buffer(plan, "part_stats", (plan.num_splits,) + shape[:2] + (2,), device)
         has_scales = cache.k_scale_cache is not None
         table = arrays["block_table"]
         arguments = ATTENTION_PARAMS.arguments(dict(
@@ -155,7 +149,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             v_scales=cache.v_scale_cache if has_scales else cache.value_cache,
             **_strides(plan, cache), block_table=table, seq_lens=arrays["seq_lens"],
             cu_seqlens_q=arrays["cu_seqlens_q"], tiles=plan.tiles, part_out=part_out, part_stats=part_stats,
-            num_tokens=num_tokens, num_heads=num_heads, group=num_heads // cache.num_kv_heads,
+            num_tokens=shape[0], num_heads=shape[1], group=shape[1] // cache.num_kv_heads,
             head_size=head_size, row_bytes=cache.key_cache.shape[3] * cache.key_cache.itemsize,
             block_size=cache.block_size, num_blocks=cache.num_blocks,
             table_width=table.shape[1], split_tokens=plan.split_tokens, window=sliding_window or 0,
@@ -167,18 +161,20 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         signs = plan.rotations.get(("signs", rotation))
         if signs is None:
             signs = plan.rotations[("signs", rotation)] = _sign_operands(rotation, device)
-        target = out.data if in_merge else _buffer(plan, "out", rows, device)
+        target = out_rows if in_merge else _buffer(plan, "out", shape, device)
         target_dtype = out.dtype if in_merge else np.dtype(np.float32)
         split_warps = merge_split_warps(plan.num_splits)
         merge = _function(device.index, "merge", "merge_splits", {"KVC_OUT_T": formats.CPP_TYPES[target_dtype]})
-        merge((-(-num_tokens * num_heads * split_warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
+        merge((-(-shape[0] * shape[1] * split_warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
               (part_out, part_stats, sink_logits if sink_logits is not None else np.uintp(0), target,
-               np.int32(plan.num_splits), np.int32(num_tokens), np.int32(num_heads), np.int32(head_size),
+               np.int32(plan.num_splits), np.int32(shape[0]), np.int32(shape[1]), np.int32(head_size),
                np.int32(split_warps), *signs, np.float32(1.0 / (rotation.norm if rotated else 1))))
         if not in_merge:
-            write.rotate_rows(target.reshape(-1, head_size), out.data.reshape(-1, head_size), rotation,
+            write.rotate_rows(target.reshape(-1, head_size), out_rows.reshape(-1, head_size), rotation,
                               inverse=True, divisor=float(rotation.norm), x_dtype=np.dtype(np.float32),
                               out_dtype=out.dtype)
+        if out_rows is not out.data:
+            out.data[...] = out_rows
 
 
 def builds(head_sizes=range(32, 257, 2)) -> list[MfmaKernel]:
