@@ -101,7 +101,7 @@ def availability() -> tuple[bool, str]:
         return False, f"kvcupy's HIP sources are missing: {sources} is not a folder"
     devices = f"{count} x {gpu}" if count > 1 else gpu
     return True, (f"{devices} ({arch}), HIP {hip}, hipRTC {hiprtc}, CuPy {cupy.__version__}; "
-                  "paged attention is not built for ROCm yet")
+                  "MFMA attention verified through an emulation, not yet on AMD hardware")
 
 
 def dlpack_stream(device) -> int:
