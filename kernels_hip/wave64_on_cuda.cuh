@@ -85,17 +85,21 @@ __device__ __forceinline__ T __shfl(T value, int source, int width = kvc_wave64:
                                [&](unsigned word) { return __shfl_sync(segment, word, source, width); });
 }
 
-// value of lane l + delta, or l's own where that leaves the segment.
+// value of lane l + delta, or l's own where that leaves the segment. A delta of the
+// segment's width or more leaves it from every lane (and PTX's shuffle would read
+// only its low five bits).
 template <class T>
 __device__ __forceinline__ T __shfl_down(T value, unsigned delta, int width = kvc_wave64::kLanes) {
+    if (delta >= unsigned(width)) return value;
     const unsigned segment = kvc_wave64::segment_in_warp(width);
     return kvc_wave64::shuffle(value, kvc_wave64::shifted_source(int(delta), width), width <= 32,
                                [&](unsigned word) { return __shfl_down_sync(segment, word, delta, width); });
 }
 
-// value of lane l - delta, or l's own where that leaves the segment.
+// value of lane l - delta, or l's own where that leaves the segment (as __shfl_down).
 template <class T>
 __device__ __forceinline__ T __shfl_up(T value, unsigned delta, int width = kvc_wave64::kLanes) {
+    if (delta >= unsigned(width)) return value;
     const unsigned segment = kvc_wave64::segment_in_warp(width);
     return kvc_wave64::shuffle(value, kvc_wave64::shifted_source(-int(delta), width), width <= 32,
                                [&](unsigned word) { return __shfl_up_sync(segment, word, delta, width); });

@@ -318,12 +318,13 @@ def test_a_second_generate_continues_the_cache():
 def test_cache_bytes_per_token(device):
     """int4 stores d/2 bytes and a float32 scale per head and token, K and V, every layer."""
     require_device(device)
-    model = build_model("llama3", device)
+    model = build_model("llama3", device, AUTO_MODEL_DTYPE[device])
     config = model.config
     assert PagedCache(model, "int4_per_token_head").bytes_per_token == (
         config.num_hidden_layers * 2 * config.num_key_value_heads * (config.head_dim // 2 + 4))
+    itemsize = torch.tensor([], dtype=AUTO_MODEL_DTYPE[device]).element_size()   # auto keeps the model's rows
     assert PagedCache(model, "auto").bytes_per_token == (
-        config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4)
+        config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * itemsize)
 
 
 def test_the_readme_recipe_runs_as_written():
