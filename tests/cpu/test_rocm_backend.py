@@ -491,8 +491,10 @@ def test_the_mfma_plan_covers_every_row_and_key_once(seq_lens, query_lens, group
 def test_the_mfma_plan_splits_a_short_batch_and_not_a_wide_one():
     long_decode = _mfma_plan((32768,), (1,))
     assert long_decode.num_splits > 16   # one sequence: the splits are the parallelism
-    wide = _mfma_plan((512,) * 256, (1,) * 256, kv_heads=8)
-    assert wide.num_splits == 1          # 2048 blocks already fill 304 compute units
+    from kvcupy.backends.rocm.attention import WAVES_PER_CU
+    sequences = 2 * 304 * WAVES_PER_CU // 8   # two whole waves of blocks over 304 compute units
+    wide = _mfma_plan((512,) * sequences, (1,) * sequences, kv_heads=8)
+    assert wide.num_splits == 1
 
 
 def test_the_mfma_plan_from_bounds_gives_every_sequence_the_bounds_tiles():

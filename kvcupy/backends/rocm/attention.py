@@ -35,7 +35,7 @@ ROWS_PER_TILE = 16        # query rows a block (attention.hip: kRows)
 KEYS_PER_STEP = 16        # keys a step; splits hold whole steps
 HEAD_STEP = 16            # head sizes are padded up to a multiple of this (a product's depth)
 MIN_STEPS_PER_SPLIT = 8   # a split's keys pay for its merge traffic
-WAVES_PER_CU = 8          # blocks a compute unit keeps (4 SIMDs x 2 waves at the kernel's ~150 VGPRs)
+WAVES_PER_CU = 6          # one-wave blocks a compute unit holds: 64 KB of LDS, about 10 KB a block
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,6 @@ class MfmaKernel:
     @property
     def defines(self) -> dict:
         return {"KVC_MFMA_KV": self.kv, "KVC_HEAD_PAD": self.head_pad}
-
-    @property
-    def quantized(self) -> bool:
-        return self.kv in (KV_INT4, KV_INT8, KV_FP8)
 
 
 def head_pad(head_size: int) -> int:
