@@ -15,11 +15,11 @@
 //     operand P^T of the value product, so probabilities never leave registers.
 //   O^T = V^T P^T: A = 16 channels x 16 keys, the value tile transposed in LDS.
 //   Quantized tiles enter as integer codes minus the zero-point (int4), codes
-//   (int8) or e4m3 values (fp8), all exact in fp16; each key's scale multiplies
-//   its score after the product, and its probability (relative to the tile's
-//   largest value scale, which multiplies the product's result) before the
-//   value product. No term is summed apart from the codes it belongs to, so no
-//   rounding gathers over the context into a common offset of every channel.
+//   (int8) or e4m3 values (fp8), all exact in fp16. A key's K scale multiplies
+//   its score after the product; its V scale, relative to the tile's largest
+//   (which multiplies the product's result), multiplies its probability before
+//   the value product. No term is summed apart from the codes it belongs to, so
+//   no rounding gathers over the context into a common offset of every channel.
 //   The query enters as fp16 terms (bf16 terms for bf16 rows) of a row scaled
 //   by a power of two: two terms give 22 bits, three bf16 terms 24.
 #include "hip_compat.h"

@@ -15,11 +15,12 @@ from kvcupy import formats
 from kvcupy.backends.cuda import kernels
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels_cu"
+HIP_KERNELS = KERNELS.parent / "kernels_hip"
 
 
-def constants(header: str) -> dict[str, int | float]:
+def constants(header: str, folder: Path = KERNELS) -> dict[str, int | float]:
     """`constexpr <type> name = value` (several a line too) and enum members of a header."""
-    text = (KERNELS / header).read_text()
+    text = (folder / header).read_text()
     found = {}
     for declaration in re.findall(r"constexpr\s+(?:int|u32|float)\s+([^;]+);", text):
         for name, value in re.findall(r"(\w+)\s*=\s*(0x[0-9a-fA-F]+|[0-9.e+-]+)[uf]?", declaration):
@@ -30,8 +31,9 @@ def constants(header: str) -> dict[str, int | float]:
     return found
 
 
-def test_attention_kv_codes():
-    found = constants("attention.cuh")
+@pytest.mark.parametrize("folder,source", [(KERNELS, "attention.cuh"), (HIP_KERNELS, "attention.hip")])
+def test_attention_kv_codes(folder, source):
+    found = constants(source, folder)
     assert {name: found[name] for name in ("KV_INT4", "KV_INT8", "KV_FP8", "KV_F16", "KV_BF16")} == {
         "KV_INT4": kernels.KV_INT4, "KV_INT8": kernels.KV_INT8, "KV_FP8": kernels.KV_FP8,
         "KV_F16": kernels.KV_F16, "KV_BF16": kernels.KV_BF16}
