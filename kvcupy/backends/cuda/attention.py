@@ -113,17 +113,6 @@ def _prefill_io(plan: Plan, query, cache, softmax_scale: float, sinks, out, capt
     return fields
 
 
-def through_contiguous_rows(attend, out, device) -> None:
-    """attend(rows) into a contiguous array of `out`'s shape, then copied into `out`:
-    the merge (and the rotate kernel) write whole rows back to back, so a strided
-    `out` gets them through this copy."""
-    import cupy
-    with cupy.cuda.Device(device.index):
-        rows = replace(out, data=cupy.empty(out.data.shape, out.data.dtype))
-    attend(rows)
-    out.data[...] = rows.data
-
-
 def merge_split_warps(num_splits: int) -> int:
     """Warps that share one row's merge (merge.cuh, merge_splits): the largest power
     of two up to MERGE_WARPS and the split count."""
@@ -192,11 +181,15 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
     import cupy
     captured = capturing()
     if not out.data.flags.c_contiguous:
+        # The merge (and the rotate kernel) write whole rows back to back: a strided
+        # `out` gets them through a contiguous copy.
         if captured:
             refuse_under_capture("copy its result into a strided out (pass a contiguous one)")
-        through_contiguous_rows(lambda rows: paged_attention(
-            query, cache, batch, plan, softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap,
-            sinks=sinks, out=rows), out, cache.device)
+        with cupy.cuda.Device(cache.device.index):
+            rows = replace(out, data=cupy.empty(out.data.shape, out.data.dtype))
+        paged_attention(query, cache, batch, plan, softmax_scale=softmax_scale, sliding_window=sliding_window,
+                        softcap=softcap, sinks=sinks, out=rows)
+        out.data[...] = rows.data
         return
     device = cache.device
     num_tokens, num_heads, head_size = query.shape
