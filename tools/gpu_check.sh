@@ -8,9 +8,12 @@
 # Logs and JSON go to $1 (default: the folder the environment variable OUT names,
 # else ./gpu-check).
 #
-#   tools/gpu_check.sh [OUTPUT_DIR] [--quick]
+#   tools/gpu_check.sh [OUTPUT_DIR] [--quick | --tests K-L | --no-tests]
 #
 # --quick: the long-context error tests and the decode bench group only.
+# --tests K-L: only parts K to L of the GPU tests (of GPU_TEST_PARTS, default 24), nothing
+#   else: the whole suite takes longer than one command may run, so it goes as
+#   --tests 0-11, then --tests 12-23, then --no-tests (memcheck and the benches).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 results=${1:-${OUT:-gpu-check}}
@@ -30,9 +33,17 @@ if [ "$quick" = "--quick" ]; then
     exit $status
 fi
 
-python3 tools/gpu_tests.py --parts 12 --logs "$results/tests" --timeout 420 -- -m gpu -q tests \
-    >"$results/tests.log" 2>&1 || status=1
-tail -5 "$results/tests.log"
+if [ "$quick" = "--tests" ]; then
+    python3 tools/gpu_tests.py --parts "${GPU_TEST_PARTS:-24}" --only "${3:?--tests takes K-L}" \
+        --logs "$results/tests" --timeout 540 -- -m gpu -q -rfE tests >"$results/tests.log" 2>&1 || status=1
+    tail -30 "$results/tests.log"
+    exit $status
+fi
+if [ "$quick" != "--no-tests" ]; then
+    python3 tools/gpu_tests.py --parts 12 --logs "$results/tests" --timeout 420 -- -m gpu -q -rfE tests \
+        >"$results/tests.log" 2>&1 || status=1
+    tail -30 "$results/tests.log"
+fi
 
 if command -v compute-sanitizer >/dev/null; then
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \

@@ -8,7 +8,8 @@ and the few elsewhere, e.g. the decoders', the bench's and the JIT's), so the
 parts compile the builds their tests take side by side instead of one process
 compiling them all in turn; the JIT's file locks keep two parts from compiling
 one build twice. Each part's output goes to DIR/part<k>.log. Prints each
-part's summary line and the totals (a part stopped by --timeout: the outcomes
+part's summary line, each failing test (the short summary's FAILED and ERROR
+lines, with -rfE) and the totals (a part stopped by --timeout: the outcomes
 its log shows so far, from pytest's progress characters or, with -v, its
 result words); the exit status is 1 where a part failed, errored or ran out of
 time, else 0. --only K-L starts parts K to L alone (of --parts N, from 0): a
@@ -38,6 +39,16 @@ def summary_line(log: str) -> str:
     """The last line of a pytest log that counts outcomes ("" when there is none)."""
     lines = [line for line in log.splitlines() if OUTCOME.search(line) and " in " in line]
     return lines[-1].strip("= ") if lines else ""
+
+
+# pytest's short test summary lines (-rfE): "FAILED path::test - reason", "ERROR path::test ..."
+SHORT_SUMMARY = re.compile(r"^(FAILED|ERROR) \S+")
+
+
+def failure_lines(log: str) -> list[str]:
+    """The short test summary's FAILED and ERROR lines of a part's log (pytest -rfE), so
+    that the report names each failing test even where the part logs do not travel."""
+    return [line.rstrip() for line in log.splitlines() if SHORT_SUMMARY.match(line)]
 
 
 def outcome_counts(line: str) -> Counter:
@@ -94,7 +105,10 @@ def run_parts(parts: int, pytest_args: list[str], logs: Path, timeout_s: float,
         log_path = logs / f"part{index}.log"
         handle = open(log_path, "w")
         command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--shard={index}/{parts}", *pytest_args]
-        started.append((index, log_path, handle, subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT)))
+        # A wide terminal: pytest cuts a short summary line's reason to the width.
+        environment = {**os.environ, "COLUMNS": "400"}
+        started.append((index, log_path, handle, subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
+                                                                  env=environment)))
     deadline = time.monotonic() + timeout_s
     totals, lines = Counter(), []
     for index, log_path, handle, process in started:
@@ -117,6 +131,7 @@ def run_parts(parts: int, pytest_args: list[str], logs: Path, timeout_s: float,
             totals["parts failed"] += 1   # a crash or a usage error: no failed test counted
         totals.update(counts)
         lines.append(f"part {index}: exit {status}: {line or 'no summary'}")
+        lines.extend(f"  {failure}" for failure in failure_lines(log))
     return totals, lines
 
 

@@ -107,3 +107,17 @@ def test_a_part_that_runs_out_of_time_reports_what_it_did(tmp_path):
     assert ran.returncode == 1, ran.stdout + ran.stderr
     assert "part 0: exit -9: stopped at the time limit after 1 passed" in ran.stdout, ran.stdout
     assert ran.stdout.splitlines()[-1] == "total: 1 parts timed out, 1 passed", ran.stdout
+
+
+def test_each_failing_test_is_named_in_the_report(tmp_path):
+    """With -rfE, a part's FAILED line follows its summary: the report names the test
+    and its reason even where only the tool's output comes back."""
+    selection = tmp_path / "test_fails.py"
+    selection.write_text("def test_fine():\n    pass\n\ndef test_broken():\n    assert 1 == 2, 'one is not two'\n")
+    ran = run_tool(tmp_path / "logs", "--parts", "1", "--", "-p", "tests.conftest", "-q", "-rfE", str(selection))
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    lines = ran.stdout.splitlines()
+    assert lines[0].startswith("part 0: exit 1: 1 failed, 1 passed"), ran.stdout
+    assert lines[1].startswith("  FAILED ") and "test_broken" in lines[1] and "one is not two" in lines[1], ran.stdout
+    assert load_tool().failure_lines("x\nFAILED a.py::t - E\nERROR b.py::u\nFAILED\n") == [
+        "FAILED a.py::t - E", "ERROR b.py::u"]
