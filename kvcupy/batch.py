@@ -103,6 +103,7 @@ class BatchPlan:
     max_query_len: int | None = None
     max_seq_len: int | None = None
     _backend_plans: dict = field(default_factory=dict)
+    _replays: dict = field(default_factory=dict)   # kvcupy.replay: recorded calls of this plan
 
     @property
     def num_query_tokens(self) -> int | None:
@@ -280,6 +281,7 @@ class SlotMapping:
     checked: bool
     host: np.ndarray | None          # int64, when the contents are known
     _uploads: _Uploads
+    _replays: dict = field(default_factory=dict)   # kvcupy.replay: recorded writes with these slots
 
     def on(self, backend, device):
         """The slot ids as `backend`'s int64 array on `device`."""

@@ -27,7 +27,7 @@ import numbers
 
 import numpy as np
 
-from . import backends, formats, interop
+from . import backends, formats, interop, replay
 from .batch import BatchPlan, SlotMapping, plan_batch, plan_slots
 from .formats import FP8_DTYPE, MODEL_DTYPES
 from .interop import Array, Device
@@ -285,11 +285,15 @@ def reshape_and_cache(key, value, cache: KVCache, slot_mapping, *, validate: boo
     slot_mapping[t] = block * block_size + offset; negative entries are padding.
     It may be a SlotMapping (kvcupy.batch.plan_slots) checked once for many layers.
     """
+    call = None if validate else replay.write_call(key, value, cache, slot_mapping)
+    if call is not None and call.recorded is not None:
+        call.run()
+        return
     with interop.running_like(key):
-        _reshape_and_cache(key, value, cache, slot_mapping, validate)
+        _reshape_and_cache(key, value, cache, slot_mapping, validate, call)
 
 
-def _reshape_and_cache(key, value, cache: KVCache, slot_mapping, validate: bool) -> None:
+def _reshape_and_cache(key, value, cache: KVCache, slot_mapping, validate: bool, call) -> None:
     arrays = cache_arrays(cache)
     for tensor, name in zip(cache.tensors(), ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")):
         interop.immutable(tensor, f"cache.{name}")
@@ -301,15 +305,21 @@ def _reshape_and_cache(key, value, cache: KVCache, slot_mapping, validate: bool)
     _expect_shape(values, keys.shape, "value", "the shape of key")
     if values.dtype != keys.dtype:
         raise TypeError(f"value has dtype {values.dtype}; expected key's dtype {keys.dtype}")
-    slots = slot_mapping if isinstance(slot_mapping, SlotMapping) else plan_slots(
-        slot_mapping, num_slots=arrays.num_slots, validate=validate)
+    if isinstance(slot_mapping, SlotMapping):
+        slots = slot_mapping
+    elif call is not None and call.plan is not None:
+        slots = call.plan   # planned before for these device slot ids
+    else:
+        slots = plan_slots(slot_mapping, num_slots=arrays.num_slots, validate=validate)
     if slots.num_tokens != keys.shape[0]:
         raise ValueError(f"slot_mapping has shape ({slots.num_tokens},); expected "
                          f"({keys.shape[0]},) (one slot per token)")
     slots.check_device(arrays.device)
     for tensor, name in zip(arrays.tensors(), ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")):
         _writable(Array(tensor, arrays.storage_dtype, arrays.device, "native", f"cache.{name}"))
-    backends.for_device(arrays.device, "cache").reshape_and_cache(keys, values, arrays, slots)
+    recorded = backends.for_device(arrays.device, "cache").reshape_and_cache(keys, values, arrays, slots)
+    if call is not None:
+        call.keep(recorded, slots, cache)
 
 
 # --- read path ------------------------------------------------------------
@@ -374,13 +384,19 @@ def paged_attention(query, cache: KVCache, *, block_table=None, seq_lens=None, c
     into `out` when given. validate=True also checks metadata that lives on a
     device (a synchronisation).
     """
+    call = None if validate else replay.attention_call(
+        query, cache, out, batch, (block_table, seq_lens, cu_seqlens_q), (max_query_len, max_seq_len),
+        (softmax_scale, sliding_window, softcap), sinks)
+    if call is not None and call.recorded is not None:
+        result = call.run()
+        return out if out is not None else result
     with interop.running_like(query):
         return _paged_attention(query, cache, block_table, seq_lens, cu_seqlens_q, max_query_len, max_seq_len,
-                                batch, softmax_scale, sliding_window, softcap, sinks, out, validate)
+                                batch, softmax_scale, sliding_window, softcap, sinks, out, validate, call)
 
 
 def _paged_attention(query, cache: KVCache, block_table, seq_lens, cu_seqlens_q, max_query_len, max_seq_len,
-                     batch, softmax_scale, sliding_window, softcap: float, sinks, out, validate: bool):
+                     batch, softmax_scale, sliding_window, softcap: float, sinks, out, validate: bool, call):
     arrays = cache_arrays(cache)
     q = _float_array(query, "query")
     if q.ndim != 3 or q.shape[2] != arrays.head_size:
@@ -414,8 +430,11 @@ def _paged_attention(query, cache: KVCache, block_table, seq_lens, cu_seqlens_q,
         _writable(out_array)
         data.append(out_array)
     _on_cache_device(data, arrays)
-    plan = _batch(batch, arrays, q.shape[0], block_table, seq_lens, cu_seqlens_q, max_query_len, max_seq_len,
-                  validate)
+    if batch is None and call is not None and call.plan is not None:
+        plan = call.plan   # planned before for these device metadata tensors
+    else:
+        plan = _batch(batch, arrays, q.shape[0], block_table, seq_lens, cu_seqlens_q, max_query_len, max_seq_len,
+                      validate)
     plan.check_device(arrays.device)
 
     backend = backends.for_device(arrays.device, "cache")
@@ -423,7 +442,9 @@ def _paged_attention(query, cache: KVCache, block_table, seq_lens, cu_seqlens_q,
         (backend.name, arrays.plan_key, num_heads, q.shape[0]),
         lambda: backend.plan_attention(plan, arrays, num_heads, q.shape[0]))
     target = out_array or _new_array(backend, q.shape, q.dtype, q.device, "out")
-    backend.paged_attention(q, arrays, plan, backend_plan, softmax_scale=softmax_scale,
-                            sliding_window=sliding_window, softcap=softcap, sinks=sink_logits,
-                            out=target)
+    recorded = backend.paged_attention(q, arrays, plan, backend_plan, softmax_scale=softmax_scale,
+                                       sliding_window=sliding_window, softcap=softcap, sinks=sink_logits,
+                                       out=target)
+    if call is not None:
+        call.keep(recorded, plan, cache)
     return out if out is not None else interop.like(target, query)

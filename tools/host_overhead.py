@@ -1,8 +1,15 @@
 """Host time a call spends in Python before its kernels are queued, per public
 operation, on the bench's shapes (32 query / 8 KV heads, d = 128, block size
-16; torch bf16 tensors through DLPack, as `kvcupy bench --backend cuda`).
+16; torch bf16 tensors, or CuPy fp16 arrays), beside torch's own SDPA on the
+same query and a dense cache of the same context.
 
     PYTHONPATH=. python3 tools/host_overhead.py [--calls 400] [--profile OUT.txt] [--frameworks torch,cupy]
+
+Cases: attention and writes with a plan reused across calls (`plan_batch`,
+`plan_slots`: what a model's layers share), and with the metadata as device
+arrays on each call and no plan ("device metadata"). Repeated calls replay
+their launches (kvcupy.replay); the first calls, made during warm-up, take
+the full path.
 
 For each case: warm-up calls, then `--calls` calls timed with perf_counter
 while the GPU is held busy by a hold kernel (so that no call waits for the
@@ -47,24 +54,39 @@ def tensors(framework: str):
     return randn, "float16"
 
 
-def attention_case(framework: str, kv_dtype: str, num_seqs: int, seq_len: int, query_len: int):
+def attention_case(framework: str, kv_dtype: str, num_seqs: int, seq_len: int, query_len: int,
+                   planned: bool = True):
     randn, dtype = tensors(framework)
     pages = math.ceil(seq_len / BLOCK_SIZE)
     table = np.random.default_rng(0).permutation(num_seqs * pages).astype(np.int32).reshape(num_seqs, pages)
-    batch = kc.plan_batch(block_table=table, seq_lens=np.full(num_seqs, seq_len, np.int32),
-                          cu_seqlens_q=np.arange(num_seqs + 1, dtype=np.int32) * query_len,
-                          block_size=BLOCK_SIZE, num_blocks=num_seqs * pages, num_query_tokens=num_seqs * query_len)
+    lens = np.full(num_seqs, seq_len, np.int32)
+    starts = np.arange(num_seqs + 1, dtype=np.int32) * query_len
     cache = kc.allocate_cache(num_seqs * pages, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, kv_dtype=kv_dtype, device="cuda",
                               dtype=dtype)
     query = randn((num_seqs * query_len, HEADS, HEAD_SIZE), 1)
     out = randn((num_seqs * query_len, HEADS, HEAD_SIZE), 2)
-    return lambda: kc.paged_attention(query, cache, batch=batch, out=out)
+    if planned:
+        batch = kc.plan_batch(block_table=table, seq_lens=lens, cu_seqlens_q=starts, block_size=BLOCK_SIZE,
+                              num_blocks=num_seqs * pages, num_query_tokens=num_seqs * query_len)
+        return lambda: kc.paged_attention(query, cache, batch=batch, out=out)
+    table, lens, starts = (on_device(framework, array) for array in (table, lens, starts))
+    starts = starts if query_len > 1 else None
+    return lambda: kc.paged_attention(query, cache, block_table=table, seq_lens=lens, cu_seqlens_q=starts,
+                                      max_query_len=query_len, max_seq_len=seq_len, out=out)
 
 
-def write_case(framework: str, kv_dtype: str, num_tokens: int):
+def on_device(framework: str, array: np.ndarray):
+    if framework == "torch":
+        import torch
+        return torch.as_tensor(array, device="cuda")
+    return cupy.asarray(array)
+
+
+def write_case(framework: str, kv_dtype: str, num_tokens: int, planned: bool = True):
     randn, dtype = tensors(framework)
     pages = math.ceil(num_tokens / BLOCK_SIZE)
-    slots = kc.plan_slots(np.arange(num_tokens, dtype=np.int64), num_slots=pages * BLOCK_SIZE)
+    slot_ids = np.arange(num_tokens, dtype=np.int64)
+    slots = kc.plan_slots(slot_ids, num_slots=pages * BLOCK_SIZE) if planned else on_device(framework, slot_ids)
     cache = kc.allocate_cache(pages, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, kv_dtype=kv_dtype, device="cuda", dtype=dtype)
     key, value = randn((num_tokens, KV_HEADS, HEAD_SIZE), 3), randn((num_tokens, KV_HEADS, HEAD_SIZE), 4)
     return lambda: kc.reshape_and_cache(key, value, cache, slots)
@@ -77,13 +99,35 @@ def rotate_case(framework: str, num_vectors: int):
     return lambda: kc.rotate(x, plan)
 
 
+def sdpa_case(num_seqs: int, seq_len: int, query_len: int):
+    """torch's SDPA on the same query over a dense bf16 cache [S, Hkv, context, d]
+    (GQA by enable_gqa): its host cost."""
+    import torch.nn.functional as F
+    randn, _ = tensors("torch")
+    query = randn((num_seqs, HEADS, query_len, HEAD_SIZE), 1)
+    keys = randn((num_seqs, KV_HEADS, seq_len, HEAD_SIZE), 2)
+    values = randn((num_seqs, KV_HEADS, seq_len, HEAD_SIZE), 3)
+    causal = query_len > 1 and query_len == seq_len
+    return lambda: F.scaled_dot_product_attention(query, keys, values, is_causal=causal, enable_gqa=True)
+
+
 def cases(framework: str):
     yield "decode int4 32 x 8192", attention_case(framework, "int4_per_token_head", 32, 8192, 1)
+    yield "decode int4 32 x 8192, device metadata", attention_case(framework, "int4_per_token_head", 32, 8192, 1,
+                                                                   planned=False)
     yield "decode int8 8 x 32768", attention_case(framework, "int8_per_token_head", 8, 32768, 1)
     yield "prefill int4 64 x 128", attention_case(framework, "int4_per_token_head", 64, 128, 128)
+    yield "prefill int4 64 x 128, device metadata", attention_case(framework, "int4_per_token_head", 64, 128, 128,
+                                                                   planned=False)
     yield "write int4 32768", write_case(framework, "int4_per_token_head", 32768)
     yield "write int4 32 (decode step)", write_case(framework, "int4_per_token_head", 32)
+    yield "write int4 32 (decode step), device slots", write_case(framework, "int4_per_token_head", 32,
+                                                                  planned=False)
     yield "rotate 2^16 x 128", rotate_case(framework, 1 << 16)
+    if framework == "torch":
+        yield "SDPA decode bf16 32 x 8192", sdpa_case(32, 8192, 1)
+        yield "SDPA decode bf16 8 x 32768", sdpa_case(8, 32768, 1)
+        yield "SDPA prefill bf16 64 x 128", sdpa_case(64, 128, 128)
 
 
 def time_calls(call, calls: int, hold) -> list[float]:

@@ -5,7 +5,9 @@ validates a call, finds the backend by where the call's arrays live
 (`for_device`), and hands it arguments that are already checked: `Array`s
 of its own array type (interop), a `KVCache` whose tensors it can read, a
 `BatchPlan` / `SlotMapping` whose host contents were checked once. A backend
-writes results into the `out` it is given and returns nothing.
+writes results into the `out` it is given. Its writes and attention calls may
+return the launches they made, for `kvcupy.replay` to repeat with other data
+pointers (an object with `replay(stream, pointers)`), or None.
 
 Backend modules are imported lazily: `kvcupy.backends.cuda` imports CuPy,
 which a CPU-only machine lacks, so the registry records module paths and
@@ -70,16 +72,18 @@ class Backend(Protocol):
     def rotate(self, x, plan, inverse: bool, out) -> None:
         """out = plan's rotation (or its inverse) of x's last axis, in x's dtype."""
 
-    def reshape_and_cache(self, key, value, cache, slots) -> None:
-        """Rotate, quantize and write key/value [T, Hk, d] at slots.device_slots."""
+    def reshape_and_cache(self, key, value, cache, slots) -> Any:
+        """Rotate, quantize and write key/value [T, Hk, d] at slots.device_slots;
+        the launches made, replayable with (key, value) pointers, or None."""
 
     def plan_attention(self, batch, cache, num_query_heads: int, num_query_tokens: int) -> Any:
         """The backend's own plan for one batch (work items, split-KV sizes), built
         once per BatchPlan and kept on it."""
 
     def paged_attention(self, query, cache, batch, plan, *, softmax_scale: float,
-                        sliding_window: int | None, softcap: float, sinks, out) -> None:
-        """out[T, Hq, d] = attention of query over the cache, FORMAT's semantics."""
+                        sliding_window: int | None, softcap: float, sinks, out) -> Any:
+        """out[T, Hq, d] = attention of query over the cache, FORMAT's semantics; the
+        launches made, replayable with (query, out) pointers, or None."""
 
     def copy_blocks(self, caches: Sequence, pairs) -> None:
         """For every cache, copy block pairs[i, 0] onto block pairs[i, 1] (all tensors)."""

@@ -187,3 +187,26 @@ def test_a_failed_launch_names_the_drivers_error(monkeypatch):
     monkeypatch.setattr(cuda_launch, "_driver", lambda: FakeDriver(result=1))
     with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
         cuda_launch.launch(0x1234, (1,), (32,), "i", (np.int32(0),), stream=0)
+
+
+def test_a_packed_launch_replays_with_its_pointer_fields_patched(monkeypatch):
+    driver = FakeDriver()
+    monkeypatch.setattr(cuda_launch, "_driver", lambda: driver)
+    args = (FakeDeviceArray(), np.int32(7), np.uint64(0), FakeDeviceArray(), np.float64(0.5))
+    assert cuda_launch.signature_of(args) == "PiQPd"
+    assert cuda_launch.parameter_offsets("PiQPd") == (0, 8, 16, 24, 32)
+    first = cuda_launch.PackedLaunch.from_args(0x1234, (9,), (256,), args, patches={0: 1, 3: 0})
+    second = cuda_launch.PackedLaunch(0x5678, (2,), (32,), struct.pack("<qQ", -1, 3), patches=((8, 2),))
+    call = cuda_launch.RecordedCall([first, second])
+    first(0x77)                                        # the recording call: as packed
+    call.replay(0x99, (0xAAAA0000, 0xBBBB0000, 42))    # then each pointer field from the call's pointers
+    recorded, replayed, other = driver.launches
+    assert recorded["buffer"] == struct.pack("<QiiQQd", 0xDEAD0000, 7, 0, 0, 0xDEAD0000, 0.5)
+    assert replayed["buffer"] == struct.pack("<QiiQQd", 0xBBBB0000, 7, 0, 0, 0xAAAA0000, 0.5)
+    assert (recorded["stream"], replayed["stream"], other["stream"]) == (0x77, 0x99, 0x99)
+    assert other["buffer"] == struct.pack("<qQ", -1, 42) and other["handle"] == 0x5678
+
+
+def test_a_signature_refuses_an_untyped_argument():
+    with pytest.raises(TypeError, match="neither a device array nor a typed NumPy scalar"):
+        cuda_launch.signature_of((np.int32(1), 2.0))

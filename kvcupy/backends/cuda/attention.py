@@ -41,6 +41,11 @@ from .params import ATTENTION_PARAMS
 from .planner import Plan, capturing, refuse_under_capture
 from .write import rotate_rows
 
+# A replay's pointers (launch.RecordedCall): the caller's query, then its out.
+REPLAY_QUERY, REPLAY_OUT = 0, 1
+# merge_splits' out: its fourth parameter.
+MERGE_OUT_OFFSET = launch.parameter_offsets(MERGE_SIGNATURE)[3]
+
 
 def _buffer(plan: Plan, name: str, shape: tuple, device, captured: bool = False):
     """A float32 buffer of one call's shape, made once per plan, name and shape
@@ -177,7 +182,12 @@ def _check_prepared(plan: Plan, kernel, sinks, device, rotation) -> None:
 
 
 def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sliding_window,
-                    softcap: float, sinks, out) -> None:
+                    softcap: float, sinks, out) -> launch.RecordedCall | None:
+    """The attention of `plan`'s batch into `out` (interop.Arrays of CuPy data).
+    Returns the call's launches as a RecordedCall where a later call that differs only
+    in the query's and out's data pointers can replay them (kvcupy.replay): every
+    step a packed launch, reading the caller's query and writing the caller's out
+    directly (no copy of either, no conversion of sinks); None otherwise."""
     import cupy
     captured = capturing()
     if not out.data.flags.c_contiguous:
@@ -190,7 +200,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         paged_attention(query, cache, batch, plan, softmax_scale=softmax_scale, sliding_window=sliding_window,
                         softcap=softcap, sinks=sinks, out=rows)
         out.data[...] = rows.data
-        return
+        return None
     device = cache.device
     num_tokens, num_heads, head_size = query.shape
     rows = (num_tokens, num_heads, head_size)
@@ -207,6 +217,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
     if captured:
         _check_prepared(plan, kernel, sinks, device, rotation)
     with cupy.cuda.Device(device.index):
+        stream = cupy.cuda.get_current_stream().ptr
         sink_logits = None if sinks is None else cupy.asarray(sinks.data, dtype=cupy.float32)
         # The decode kernel's and the merge's butterflies (null, -1: none, or kron).
         signs = plan.rotations.get(("signs", rotation))
@@ -240,7 +251,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
         table = arrays["block_table"]
         null = np.uintp(0)
         grid = (plan.num_splits, plan.num_tiles, plan.head_groups)
-        params = ATTENTION_PARAMS.pack(dict(
+        fields = dict(
             query=query_rows if query_rows is not None else null, key_cache=cache.key_cache,
             value_cache=cache.value_cache, k_scales=cache.k_scale_cache if has_scales else cache.key_cache,
             v_scales=cache.v_scale_cache if has_scales else cache.value_cache,
@@ -252,27 +263,39 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             head_size=head_size, row_bytes=cache.key_cache.shape[3] * cache.key_cache.itemsize,
             block_size=cache.block_size, block_shift=int(cache.block_size).bit_length() - 1,
             num_blocks=cache.num_blocks, table_width=table.shape[1], split_tokens=plan.split_tokens,
-            window=sliding_window or 0, softcap=softcap, code_unit=code_unit, **io))
-        launch.launch_packed(plan.entry_handle(kernel), grid, (kernel.threads,), params,
-                             stream=cupy.cuda.get_current_stream().ptr, shared_bytes=kernel.shared_bytes,
-                             dependent=plan.dependent_launch)
-        if direct:
-            return
-        # 3. Merge the splits (and the sinks), rotating back into `out` (none or
-        # blockdiag); 4. a kron plan's rotate launch.
-        split_warps = merge_split_warps(plan.num_splits)
-        merge_grid = (-(-num_tokens * num_heads * split_warps // MERGE_WARPS),)
-        merge_args = (part_out, part_stats, sink_logits if sink_logits is not None else null,
-                      target, np.int32(plan.num_splits), np.int32(num_tokens), np.int32(num_heads),
-                      np.int32(head_size), np.int32(split_warps), *signs,
-                      np.float32(1.0 / (rotation.norm if rotated else 1)))
-        if plan.dependent_launch:
-            # Its blocks start as the attention's leave, not after the launch gap.
-            launch.launch(plan.merge_handle(target_dtype), merge_grid, (32 * MERGE_WARPS,), MERGE_SIGNATURE,
-                               merge_args, stream=cupy.cuda.get_current_stream().ptr, dependent=True)
-        else:
-            plan.merge_function(target_dtype)(merge_grid, (32 * MERGE_WARPS,), merge_args)
-        if not in_kernel:
+            window=sliding_window or 0, softcap=softcap, code_unit=code_unit, **io)
+        # The caller's query and out, where the kernel reads or writes them directly,
+        # are what a replay patches (REPLAY_QUERY, REPLAY_OUT).
+        offsets = ATTENTION_PARAMS.offsets
+        patches = tuple((offsets[name], role) for name, role, array in (
+            ("query_in", REPLAY_QUERY, query.data), ("out", REPLAY_OUT, out.data)) if fields.get(name) is array)
+        steps = [launch.PackedLaunch(plan.entry_handle(kernel), grid, (kernel.threads,), ATTENTION_PARAMS.pack(fields),
+                                     shared_bytes=kernel.shared_bytes, dependent=plan.dependent_launch,
+                                     patches=patches)]
+        steps[0](stream)
+        if not direct:
+            # 3. Merge the splits (and the sinks), rotating back into `out` (none or
+            # blockdiag); on sm_90 its blocks start as the attention's leave.
+            split_warps = merge_split_warps(plan.num_splits)
+            merge_grid = (-(-num_tokens * num_heads * split_warps // MERGE_WARPS),)
+            merge_args = (part_out, part_stats, sink_logits if sink_logits is not None else null,
+                          target, np.int32(plan.num_splits), np.int32(num_tokens), np.int32(num_heads),
+                          np.int32(head_size), np.int32(split_warps), *signs,
+                          np.float32(1.0 / (rotation.norm if rotated else 1)))
+            merge = launch.PackedLaunch(
+                plan.merge_handle(target_dtype), merge_grid, (32 * MERGE_WARPS,),
+                launch.pack_parameters(MERGE_SIGNATURE, merge_args), dependent=plan.dependent_launch,
+                patches=((MERGE_OUT_OFFSET, REPLAY_OUT),) if target is out.data else ())
+            merge(stream)
+            steps.append(merge)
+        if not direct and not in_kernel:
+            # 4. A kron plan's rotate launch.
             rotate_rows(target.reshape(-1, head_size), out.data.reshape(-1, head_size),
                          rotation, inverse=True, divisor=float(rotation.norm),
                          x_dtype=np.dtype(np.float32), out_dtype=out.dtype)
+            return None
+    patched = {role for step in steps for _, role in step.patches}
+    copied_sinks = sinks is not None and sink_logits.data.ptr != sinks.data.data.ptr
+    if query_rows is not None or patched != {REPLAY_QUERY, REPLAY_OUT} or copied_sinks:
+        return None
+    return launch.RecordedCall(steps)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
+import threading
 
 import numpy as np
 
@@ -132,17 +133,8 @@ class ParameterStruct:
             raise ValueError("a field name repeats")
         self._zeros = tuple(0.0 if code in "fd" else 0 for code in self.signature)
         self._pointers = frozenset(index for index, code in enumerate(self.signature) if code == "P")
-
-    @property
-    def offsets(self) -> dict:
-        """Each field's byte offset in the parameter buffer."""
-        offsets, offset = {}, 0
-        for name, code in zip(self.names, self.signature):
-            size = _SIZES[code]
-            offset += -offset % size
-            offsets[name] = offset
-            offset += size
-        return offsets
+        # Each field's byte offset in the parameter buffer.
+        self.offsets = dict(zip(self.names, parameter_offsets(self.signature)))
 
     def pack(self, values: dict) -> bytes:
         """The parameter bytes: `values` by field name (device arrays or addresses for
@@ -217,14 +209,107 @@ def launch(handle: int, grid: tuple, block: tuple, signature: str, args: tuple, 
 def launch_packed(handle: int, grid: tuple, block: tuple, packed: bytes, *, stream: int,
                   shared_bytes: int = 0, dependent: bool = False) -> None:
     """launch() with the parameter buffer already packed (ParameterStruct.pack)."""
-    buffer = ctypes.create_string_buffer(packed, len(packed))
-    size = ctypes.c_size_t(len(packed))
-    extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE,
-                                  ctypes.addressof(size), _END)
-    config = launch_config(tuple(grid), tuple(block), shared_bytes, stream, dependent)
-    driver = _driver()
-    result = driver.cuLaunchKernelEx(ctypes.byref(config), handle, None, extra)
-    if result != 0:
-        name = ctypes.c_char_p()
-        driver.cuGetErrorName(result, ctypes.byref(name))
-        raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'?').decode()} ({result})")
+    PackedLaunch(handle, grid, block, packed, shared_bytes=shared_bytes, dependent=dependent)(stream)
+
+
+def signature_of(args: tuple) -> str:
+    """The parameter signature of a CuPy-style argument tuple: "P" for a device array,
+    the code of each NumPy scalar's type otherwise (np.uint64(0) as a null pointer
+    packs as "Q", the same eight bytes)."""
+    codes = []
+    for arg in args:
+        if getattr(getattr(arg, "data", None), "ptr", None) is not None:   # a device array
+            codes.append("P")
+            continue
+        code = next((c for c, kind in _SCALAR_TYPES.items() if type(arg) is kind and c != "P"), None)
+        if code is None:
+            raise TypeError(f"kernel argument {type(arg).__name__} is neither a device array nor a typed NumPy scalar")
+        codes.append(code)
+    return "".join(codes)
+
+
+def parameter_offsets(signature: str) -> tuple:
+    """Each parameter's byte offset in the packed buffer of `signature`."""
+    offsets, offset = [], 0
+    for code in signature:
+        size = _SIZES[code]
+        offset += -offset % size
+        offsets.append(offset)
+        offset += size
+    return tuple(offsets)
+
+
+class PackedLaunch:
+    """One kernel launch whose parameter buffer is packed once. Launched again, it
+    patches only the pointer fields named in `patches` ((byte offset, index into the
+    call's `pointers`) pairs: the caller's query and out, say) and takes the call's
+    stream: what a repeated call costs the host is one driver call.
+
+    The driver copies the parameters during the call; a lock keeps two threads from
+    patching one buffer at once."""
+
+    __slots__ = ("handle", "grid", "block", "shared_bytes", "dependent", "patches", "_buffer", "_size",
+                 "_extra", "_configs", "_lock")
+
+    def __init__(self, handle: int, grid: tuple, block: tuple, packed: bytes, *, shared_bytes: int = 0,
+                 dependent: bool = False, patches: tuple = ()):
+        self.handle, self.shared_bytes, self.dependent = handle, shared_bytes, dependent
+        self.grid, self.block = tuple(grid), tuple(block)
+        self.patches = tuple(patches)
+        self._buffer = ctypes.create_string_buffer(packed, len(packed))
+        self._size = ctypes.c_size_t(len(packed))
+        self._extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(self._buffer), _BUFFER_SIZE,
+                                            ctypes.addressof(self._size), _END)
+        self._configs = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_args(cls, handle: int, grid: tuple, block: tuple, args: tuple, *, shared_bytes: int = 0,
+                  dependent: bool = False, patches: dict | None = None) -> PackedLaunch:
+        """A launch of CuPy-style `args` (signature_of); `patches`: argument index ->
+        index into the replay's pointers."""
+        signature = signature_of(args)
+        offsets = parameter_offsets(signature)
+        return cls(handle, grid, block, pack_parameters(signature, args), shared_bytes=shared_bytes,
+                   dependent=dependent, patches=tuple((offsets[i], role) for i, role in (patches or {}).items()))
+
+    def __call__(self, stream: int, pointers: tuple | None = None) -> None:
+        """Launches on `stream`; `pointers`: the replayed call's, for the patched fields
+        (None: as packed)."""
+        config = self._configs.get(stream)
+        if config is None:
+            if len(self._configs) > 16:   # a caller cycling through streams
+                self._configs.clear()
+            config = self._configs[stream] = launch_config(self.grid, self.block, self.shared_bytes, stream,
+                                                           self.dependent)
+        with self._lock:
+            if pointers is not None:
+                for offset, role in self.patches:
+                    _POINTER.pack_into(self._buffer, offset, pointers[role])
+            result = _driver().cuLaunchKernelEx(ctypes.byref(config), self.handle, None, self._extra)
+        if result != 0:
+            _raise_launch_error(result)
+
+
+_POINTER = struct.Struct("<Q")
+
+
+def _raise_launch_error(result: int) -> None:
+    name = ctypes.c_char_p()
+    _driver().cuGetErrorName(result, ctypes.byref(name))
+    raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'?').decode()} ({result})")
+
+
+class RecordedCall:
+    """The launches a call made, in order, replayable for a later call that differs
+    only in its data pointers (`kvcupy.replay`): `replay(stream, pointers)` patches
+    each launch's pointer fields from `pointers` and launches it on `stream`."""
+
+    __slots__ = ("launches",)
+
+    def __init__(self, launches):
+        self.launches = tuple(launches)
+
+    def replay(self, stream: int, pointers: tuple) -> None:
+        for packed in self.launches:
+            packed(stream, pointers)

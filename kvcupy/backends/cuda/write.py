@@ -23,12 +23,16 @@ import numpy as np
 from ... import formats
 from ...formats import CPP_TYPES
 from ...rotation import RotationPlan, largest_pow2_divisor
-from . import arrays
+from . import arrays, launch
 from .device import (_alignment, _cache_model_dtype, _contiguous_rows, _element_strides, _function,
                      _logical_dtype, _persistent_grid, _rotation_on)
 
 if TYPE_CHECKING:
     import cupy
+
+
+# A write replay's pointers (launch.RecordedCall): the caller's key, then its value.
+REPLAY_KEY, REPLAY_VALUE = 0, 1
 
 
 # --- vector layout --------------------------------------------------------
@@ -142,15 +146,19 @@ def _write_defines(head_size: int, kv_dtype: str, cache_dtype: np.dtype, input_d
     return tuple(sorted(defines.items()))
 
 
-def reshape_and_cache(key, value, cache, slots, *, function=None, uploads=None) -> None:
+def reshape_and_cache(key, value, cache, slots, *, function=None, uploads=None):
     """Write key/value (interop.Arrays [T, Hk, d]) at slots (a SlotMapping), one launch.
     `function` (device index, entry, kernel, defines) -> kernel and `uploads` (a backend's
-    arrays module): where another backend (rocm) takes its kernels and uploads from."""
+    arrays module): where another backend (rocm) takes its kernels and uploads from,
+    launched through CuPy. CUDA's own launch is packed (launch.py) and comes back as a
+    launch.RecordedCall that a later call differing only in key's and value's data
+    pointers replays (kvcupy.replay), unless a row copy was made; None otherwise."""
     import cupy
+    packed = function is None
     function, uploads = function or _function, uploads or arrays
     num_tokens, num_heads, head_size = key.shape
     if num_tokens == 0:
-        return
+        return None
     device = cache.device
     with cupy.cuda.Device(device.index):
         slot_ids = slots.on(uploads, device)
@@ -176,7 +184,13 @@ def reshape_and_cache(key, value, cache, slots, *, function=None, uploads=None) 
                 *_element_strides(key_cache, 3), *_element_strides(value_cache, 3), *scale_args[2:],
                 np.int32(cache.block_size), np.int64(cache.num_slots),
                 _rotation_on(cache.rotation, device.index), np.int32(input_align), np.int32(cache_align))
-        kernel((grid,), (threads,), args)
+        if not packed:
+            kernel((grid,), (threads,), args)
+            return None
+        write = launch.PackedLaunch.from_args(launch.function_handle(kernel), (grid,), (threads,), args,
+                                              patches={0: REPLAY_KEY, 1: REPLAY_VALUE})
+        write(cupy.cuda.get_current_stream().ptr)
+    return launch.RecordedCall((write,)) if keys is key.data and values is value.data else None
 
 
 # --- rotation -------------------------------------------------------------
