@@ -114,6 +114,19 @@ class CacheArrays(_Geometry):
                 tuple(None if a is None else (tuple(a.shape), tuple(a.strides), _address(a) % 16) for a in tensors))
 
 
+    @functools.cached_property
+    def replay_layout(self) -> tuple:
+        """What a recorded call (kvcupy.replay) reads of the cache besides its tensors'
+        addresses: plan_key and the rotation itself."""
+        return self.plan_key, self.rotation
+
+    @functools.cached_property
+    def addresses(self) -> tuple:
+        """key_cache, value_cache, k_scale_cache, v_scale_cache's addresses (0: absent)."""
+        return tuple(0 if a is None else _address(a)
+                     for a in (self.key_cache, self.value_cache, self.k_scale_cache, self.v_scale_cache))
+
+
 def _address(array) -> int:
     """A NumPy or CuPy array's first byte's address (never through NumPy's
     `.data`: a memoryview cannot hold ml_dtypes' bfloat16)."""

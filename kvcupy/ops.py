@@ -249,6 +249,14 @@ def _make_cache_arrays(cache: KVCache) -> CacheArrays:
     return result
 
 
+def _viewed(cache):
+    """`cache`, its backend views made (cache_arrays) where it is a KVCache: a replay's
+    key reads them. Anything else comes back as it is, for the full path to refuse."""
+    if isinstance(cache, KVCache) and cache._arrays is None:
+        cache_arrays(cache)
+    return cache
+
+
 def copy_blocks(caches, pairs) -> None:
     """Copy block pairs[i, 0] onto block pairs[i, 1] in every cache of `caches`
     (all tensors): copy-on-write for all layers in one backend call."""
@@ -285,7 +293,7 @@ def reshape_and_cache(key, value, cache: KVCache, slot_mapping, *, validate: boo
     slot_mapping[t] = block * block_size + offset; negative entries are padding.
     It may be a SlotMapping (kvcupy.batch.plan_slots) checked once for many layers.
     """
-    call = None if validate else replay.write_call(key, value, cache, slot_mapping)
+    call = None if validate else replay.write_call(key, value, _viewed(cache), slot_mapping)
     if call is not None and call.recorded is not None:
         call.run()
         return
@@ -319,7 +327,7 @@ def _reshape_and_cache(key, value, cache: KVCache, slot_mapping, validate: bool,
         _writable(Array(tensor, arrays.storage_dtype, arrays.device, "native", f"cache.{name}"))
     recorded = backends.for_device(arrays.device, "cache").reshape_and_cache(keys, values, arrays, slots)
     if call is not None:
-        call.keep(recorded, slots, cache)
+        call.keep(recorded, slots)
 
 
 # --- read path ------------------------------------------------------------
@@ -385,7 +393,7 @@ def paged_attention(query, cache: KVCache, *, block_table=None, seq_lens=None, c
     device (a synchronisation).
     """
     call = None if validate else replay.attention_call(
-        query, cache, out, batch, (block_table, seq_lens, cu_seqlens_q), (max_query_len, max_seq_len),
+        query, _viewed(cache), out, batch, (block_table, seq_lens, cu_seqlens_q), (max_query_len, max_seq_len),
         (softmax_scale, sliding_window, softcap), sinks)
     if call is not None and call.recorded is not None:
         result = call.run()
@@ -446,5 +454,5 @@ def _paged_attention(query, cache: KVCache, block_table, seq_lens, cu_seqlens_q,
                                        sliding_window=sliding_window, softcap=softcap, sinks=sink_logits,
                                        out=target)
     if call is not None:
-        call.keep(recorded, plan, cache)
+        call.keep(recorded, plan)
     return out if out is not None else interop.like(target, query)

@@ -11,10 +11,11 @@ a later call with an equal key replays them: each launch's pointer fields
 patched with the call's own data pointers, on the caller's current stream.
 
 A key holds everything the checks and the launches depend on other than the
-data pointers: the cache (by identity, the entry keeping it alive), each data
-argument's framework type, dtype, shape, strides, device and pointer alignment
-(the launchers read alignments up to 16 bytes), and the scalars with their
-types. Every check `ops` makes is a function of these, so a call with an equal
+data pointers: the cache's layout (format, rotation, its tensors' shapes,
+strides and alignments: one recorded call serves every layer's cache of that
+layout, its tensors' addresses patched in too), each data argument's
+framework type, dtype, shape, strides, device and pointer alignment (the
+launchers read alignments up to 16 bytes), and the scalars with their types. Every check `ops` makes is a function of these, so a call with an equal
 key passes them as the recorded one did; and the backend records only calls
 whose launches read and write the caller's arrays themselves (no copy of a
 strided query, no kron rotation through a float32 buffer, no sinks
@@ -92,6 +93,14 @@ def _new_like(x):
     return cupy.empty(x.shape, x.dtype)
 
 
+def _cache(cache) -> tuple | None:
+    """(layout, addresses) of a cache a full call has viewed (its CacheArrays, made
+    once): recorded calls serve every cache of one layout, each layer's own, with its
+    tensors' addresses patched in. None before the cache's first full call."""
+    arrays = getattr(cache, "_arrays", None)
+    return None if arrays is None else (arrays.replay_layout, arrays.addresses)
+
+
 def _scalar(value) -> tuple:
     return type(value), value
 
@@ -112,8 +121,7 @@ class Call:
     def __init__(self, key, memo, pointers, device, first, metadata_key=None, plan=None, fresh_out=False):
         self.key, self.pointers, self.device, self.first = key, pointers, device, first
         self.metadata_key, self.plan, self.fresh_out = metadata_key, plan, fresh_out
-        entry = memo.get(key) if memo is not None else None
-        self.recorded = entry[1] if entry is not None else None
+        self.recorded = memo.get(key) if memo is not None else None
 
     def run(self):
         """Replays the recorded call; returns the output it allocated (an attention
@@ -121,18 +129,18 @@ class Call:
         pointers, result = self.pointers, None
         if self.fresh_out:
             result = _new_like(self.first)
-            pointers = (pointers[0], array_key(result)[1])
+            pointers = (pointers[0], array_key(result)[1]) + pointers[2:]
         self.recorded.replay(_stream(self.first, self.device), pointers)
         return result
 
-    def keep(self, recorded, plan, cache) -> None:
+    def keep(self, recorded, plan) -> None:
         """Keep `recorded` (a backend's RecordedCall, or None: nothing to replay) for
         later calls with this key, and `plan` (the BatchPlan / SlotMapping the full
         path made or was given) for later calls with the same device metadata."""
         if self.metadata_key is not None and self.plan is None:
             _keep(_metadata_plans, self.metadata_key, plan, MAX_METADATA_PLANS)
         if recorded is not None:
-            _keep(plan._replays, self.key, (cache, recorded), MAX_ENTRIES)
+            _keep(plan._replays, self.key, recorded, MAX_ENTRIES)
 
 
 def _geometry(cache) -> tuple | None:
@@ -183,7 +191,11 @@ def attention_call(query, cache, out, batch, metadata: tuple, hints: tuple, scal
         if sinks_described is None:
             return None
         sinks_key = sinks_described[:2]
-    key = (id(cache), query_key, out_key, tuple(_scalar(value) for value in scalars), sinks_key)
+    described_cache = _cache(cache)
+    if described_cache is None:
+        return None
+    layout, addresses = described_cache
+    key = (layout, query_key, out_key, tuple(_scalar(value) for value in scalars), sinks_key)
     metadata_key = None
     if batch is None:
         geometry = _geometry(cache)
@@ -196,7 +208,8 @@ def attention_call(query, cache, out, batch, metadata: tuple, hints: tuple, scal
     elif any(array is not None for array in metadata) or any(hint is not None for hint in hints):
         return None   # both forms at once: the full path says what is wrong
     memo = getattr(batch, "_replays", None)
-    return Call(key, memo, (query_pointer, out_pointer), device, query, metadata_key, batch, fresh_out=out is None)
+    return Call(key, memo, (query_pointer, out_pointer) + addresses, device, query, metadata_key, batch,
+                fresh_out=out is None)
 
 
 def write_call(key, value, cache, slot_mapping) -> Call | None:
@@ -208,6 +221,10 @@ def write_call(key, value, cache, slot_mapping) -> Call | None:
     if device != _current_device():
         return None
     value_key, value_pointer, _ = value_described
+    described_cache = _cache(cache)
+    if described_cache is None:
+        return None
+    layout, addresses = described_cache
     metadata_key = None
     slots = slot_mapping
     if not hasattr(slot_mapping, "_replays"):
@@ -219,5 +236,5 @@ def write_call(key, value, cache, slot_mapping) -> Call | None:
             return None
         metadata_key, slots = found
     memo = getattr(slots, "_replays", None)
-    return Call((id(cache), key_key, value_key), memo, (key_pointer, value_pointer), device, key, metadata_key,
-                slots)
+    return Call((layout, key_key, value_key), memo, (key_pointer, value_pointer) + addresses, device, key,
+                metadata_key, slots)

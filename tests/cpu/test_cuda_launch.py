@@ -192,10 +192,12 @@ def test_a_failed_launch_names_the_drivers_error(monkeypatch):
 def test_a_packed_launch_replays_with_its_pointer_fields_patched(monkeypatch):
     driver = FakeDriver()
     monkeypatch.setattr(cuda_launch, "_driver", lambda: driver)
-    args = (FakeDeviceArray(), np.int32(7), np.uint64(0), FakeDeviceArray(), np.float64(0.5))
+    query, out = FakeDeviceArray(), FakeDeviceArray()
+    args = (out, np.int32(7), np.uint64(0), query, np.float64(0.5))
     assert cuda_launch.signature_of(args) == "PiQPd"
     assert cuda_launch.parameter_offsets("PiQPd") == (0, 8, 16, 24, 32)
-    first = cuda_launch.PackedLaunch.from_args(0x1234, (9,), (256,), args, patches={0: 1, 3: 0})
+    first = cuda_launch.PackedLaunch.from_args(0x1234, (9,), (256,), args, replayed=(query, out))
+    assert first.patches == ((0, 1), (24, 0))
     second = cuda_launch.PackedLaunch(0x5678, (2,), (32,), struct.pack("<qQ", -1, 3), patches=((8, 2),))
     call = cuda_launch.RecordedCall([first, second])
     first(0x77)                                        # the recording call: as packed

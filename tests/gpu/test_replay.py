@@ -206,3 +206,27 @@ def test_a_replayed_call_is_captured_in_a_cuda_graph(full_calls, torch_cuda):
     assert full_calls["paged_attention"] == 1
     expected = kc.paged_attention(query, cache, batch=batch, validate=True)
     assert host(out).tobytes() == host(expected).tobytes()
+
+
+def test_a_recorded_call_serves_every_layers_cache(full_calls, framework):
+    name, torch = framework
+    randn, empty = arrays_of(name, torch)
+    layers = [filled_cache("int8_per_token_head", 128, None, [70, 20, 33], [1, 1, 1], seed=seed)
+              for seed in range(3)]
+    layout = layers[0][1]   # every seed's batch has the same page count: one geometry
+    batch = kc.plan_batch(block_table=layout.block_table, seq_lens=layout.seq_lens, block_size=BLOCK_SIZE,
+                          num_blocks=layout.num_blocks)
+    slots = kc.plan_slots(np.arange(3, dtype=np.int64), num_slots=layout.num_blocks * BLOCK_SIZE)
+    shape, token = (3, NUM_HEADS, 128), (3, NUM_KV_HEADS, 128)
+    for cache, _ in layers:   # the first layer's calls record, the others' replay them
+        kc.reshape_and_cache(randn(token, 5), randn(token, 6), cache, slots)
+        kc.paged_attention(randn(shape, 1), cache, batch=batch, out=empty(shape))
+    full = dict(full_calls)
+    outs = [empty(shape) for _ in layers]
+    query = randn(shape, 2)
+    for (cache, _), out in zip(layers, outs):
+        kc.paged_attention(query, cache, batch=batch, out=out)
+    assert full_calls == full   # every layer replayed
+    for (cache, _), out in zip(layers, outs):
+        expected = kc.paged_attention(query, cache, batch=batch, validate=True)
+        assert host(out).tobytes() == host(expected).tobytes()

@@ -41,10 +41,10 @@ from .params import ATTENTION_PARAMS
 from .planner import Plan, capturing, refuse_under_capture
 from .write import rotate_rows
 
-# A replay's pointers (launch.RecordedCall): the caller's query, then its out.
+# A replay's pointers (launch.RecordedCall, kvcupy.replay): the caller's query and
+# out, then the cache's key_cache, value_cache, k_scale_cache and v_scale_cache.
 REPLAY_QUERY, REPLAY_OUT = 0, 1
-# merge_splits' out: its fourth parameter.
-MERGE_OUT_OFFSET = launch.parameter_offsets(MERGE_SIGNATURE)[3]
+MERGE_OFFSETS = launch.parameter_offsets(MERGE_SIGNATURE)
 
 
 def _buffer(plan: Plan, name: str, shape: tuple, device, captured: bool = False):
@@ -264,14 +264,13 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             block_size=cache.block_size, block_shift=int(cache.block_size).bit_length() - 1,
             num_blocks=cache.num_blocks, table_width=table.shape[1], split_tokens=plan.split_tokens,
             window=sliding_window or 0, softcap=softcap, code_unit=code_unit, **io)
-        # The caller's query and out, where the kernel reads or writes them directly,
-        # are what a replay patches (REPLAY_QUERY, REPLAY_OUT).
-        offsets = ATTENTION_PARAMS.offsets
-        patches = tuple((offsets[name], role) for name, role, array in (
-            ("query_in", REPLAY_QUERY, query.data), ("out", REPLAY_OUT, out.data)) if fields.get(name) is array)
+        # What a replay patches (in REPLAY_QUERY's order): the caller's query and out
+        # where the kernels read or write them directly, and the cache's tensors.
+        replayed = (query.data, out.data, cache.key_cache, cache.value_cache, cache.k_scale_cache,
+                    cache.v_scale_cache)
         steps = [launch.PackedLaunch(plan.entry_handle(kernel), grid, (kernel.threads,), ATTENTION_PARAMS.pack(fields),
                                      shared_bytes=kernel.shared_bytes, dependent=plan.dependent_launch,
-                                     patches=patches)]
+                                     patches=launch.pointer_patches(ATTENTION_PARAMS.offsets, fields, replayed))]
         steps[0](stream)
         if not direct:
             # 3. Merge the splits (and the sinks), rotating back into `out` (none or
@@ -285,7 +284,7 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             merge = launch.PackedLaunch(
                 plan.merge_handle(target_dtype), merge_grid, (32 * MERGE_WARPS,),
                 launch.pack_parameters(MERGE_SIGNATURE, merge_args), dependent=plan.dependent_launch,
-                patches=((MERGE_OUT_OFFSET, REPLAY_OUT),) if target is out.data else ())
+                patches=launch.pointer_patches(MERGE_OFFSETS, merge_args, replayed))
             merge(stream)
             steps.append(merge)
         if not direct and not in_kernel:
@@ -296,6 +295,6 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
             return None
     patched = {role for step in steps for _, role in step.patches}
     copied_sinks = sinks is not None and sink_logits.data.ptr != sinks.data.data.ptr
-    if query_rows is not None or patched != {REPLAY_QUERY, REPLAY_OUT} or copied_sinks:
+    if query_rows is not None or not {REPLAY_QUERY, REPLAY_OUT} <= patched or copied_sinks:
         return None
     return launch.RecordedCall(steps)

@@ -239,6 +239,14 @@ def parameter_offsets(signature: str) -> tuple:
     return tuple(offsets)
 
 
+def pointer_patches(offsets, values, arrays: tuple) -> tuple:
+    """(byte offset, role) of each parameter whose value is arrays[role] itself:
+    `offsets` and `values` by parameter (dicts by name, or sequences by position)."""
+    keys = values.keys() if isinstance(values, dict) else range(len(values))
+    return tuple((offsets[key], role) for key in keys for role, array in enumerate(arrays)
+                 if array is not None and values[key] is array)
+
+
 class PackedLaunch:
     """One kernel launch whose parameter buffer is packed once. Launched again, it
     patches only the pointer fields named in `patches` ((byte offset, index into the
@@ -265,13 +273,12 @@ class PackedLaunch:
 
     @classmethod
     def from_args(cls, handle: int, grid: tuple, block: tuple, args: tuple, *, shared_bytes: int = 0,
-                  dependent: bool = False, patches: dict | None = None) -> PackedLaunch:
-        """A launch of CuPy-style `args` (signature_of); `patches`: argument index ->
-        index into the replay's pointers."""
+                  dependent: bool = False, replayed: tuple = ()) -> PackedLaunch:
+        """A launch of CuPy-style `args` (signature_of), patched at replay where an
+        argument is replayed[role] itself (pointer_patches)."""
         signature = signature_of(args)
-        offsets = parameter_offsets(signature)
         return cls(handle, grid, block, pack_parameters(signature, args), shared_bytes=shared_bytes,
-                   dependent=dependent, patches=tuple((offsets[i], role) for i, role in (patches or {}).items()))
+                   dependent=dependent, patches=pointer_patches(parameter_offsets(signature), args, replayed))
 
     def __call__(self, stream: int, pointers: tuple | None = None) -> None:
         """Launches on `stream`; `pointers`: the replayed call's, for the patched fields

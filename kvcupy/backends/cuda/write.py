@@ -31,10 +31,6 @@ if TYPE_CHECKING:
     import cupy
 
 
-# A write replay's pointers (launch.RecordedCall): the caller's key, then its value.
-REPLAY_KEY, REPLAY_VALUE = 0, 1
-
-
 # --- vector layout --------------------------------------------------------
 
 # Tuning knobs, each a -D constant (so part of a specialisation's key): the
@@ -151,8 +147,9 @@ def reshape_and_cache(key, value, cache, slots, *, function=None, uploads=None):
     `function` (device index, entry, kernel, defines) -> kernel and `uploads` (a backend's
     arrays module): where another backend (rocm) takes its kernels and uploads from,
     launched through CuPy. CUDA's own launch is packed (launch.py) and comes back as a
-    launch.RecordedCall that a later call differing only in key's and value's data
-    pointers replays (kvcupy.replay), unless a row copy was made; None otherwise."""
+    launch.RecordedCall that a later call differing only in the data pointers of key,
+    value and the cache's tensors, in that order, replays (kvcupy.replay), unless a
+    row copy was made; None otherwise."""
     import cupy
     packed = function is None
     function, uploads = function or _function, uploads or arrays
@@ -188,7 +185,8 @@ def reshape_and_cache(key, value, cache, slots, *, function=None, uploads=None):
             kernel((grid,), (threads,), args)
             return None
         write = launch.PackedLaunch.from_args(launch.function_handle(kernel), (grid,), (threads,), args,
-                                              patches={0: REPLAY_KEY, 1: REPLAY_VALUE})
+                                              replayed=(key.data, value.data, key_cache, value_cache, k_scales,
+                                                        v_scales))
         write(cupy.cuda.get_current_stream().ptr)
     return launch.RecordedCall((write,)) if keys is key.data and values is value.data else None
 
