@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .shapes import (BLOCK_SIZE, DECODE_D96, DECODE_FEW, DECODE_MAIN, DECODE_SHORT, PREFILL_CHUNKED, PREFILL_MAIN,
-                     PREFILL_SHORT, ROTATE_HEAD_SIZES, SHORT_NAMES, STEP_MAIN, STEP_SHORT, WRITE_MAIN, Case,
+                     PREFILL_SHORT, ROTATE_HEAD_SIZES, SHORT_NAMES, STEP_MAIN, STEP_SHORT, Case,
                      RotateShape, Shape, StepShape, WriteShape)
 
 
@@ -44,8 +44,6 @@ TARGETS = (
     # Chunked: every cached key counted in full, the new tokens' own triangle as above.
     Target("prefill int4, 4 x 2048 new over 30720 cached, d = 128: >= 300 TFLOP/s", "prefill", PREFILL_CHUNKED,
            "int4_per_token_head", "tflop_per_s", 300.0),
-    Target("write int4, 32768 tokens x 8 heads, d = 128: >= 70% of copy bandwidth", "write", WRITE_MAIN,
-           "int4_per_token_head", "bandwidth_vs_copy", 0.7),
     *(Target(f"rotate d = {d}: >= 80% of copy bandwidth", "rotate", RotateShape(1 << 20, d), None,
              "bandwidth_vs_copy", 0.8) for d in ROTATE_HEAD_SIZES),
 )

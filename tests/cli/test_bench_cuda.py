@@ -419,7 +419,6 @@ def test_targets_are_judged_from_the_same_records(fake_report):
     assert speedup["met"] is True
     auto = targets["decode auto (bf16), 32 x 32768, d = 128: time within 10% of SDPA"]
     assert auto["met"] is False   # 3.5 TB/s on the same bytes as SDPA's 4.6
-    assert targets["write int4, 32768 tokens x 8 heads, d = 128: >= 70% of copy bandwidth"]["met"] is True
     prefill = targets["prefill int4, 4 x 8192 causal, d = 128: >= 300 TFLOP/s"]
     int4 = record_of(group_of(fake_report, "prefill", Shape("prefill", 4, 8192, 32, 8, 128)), "kvcupy int4")
     assert prefill["measured"] == pytest.approx(int4["tflop_per_s"]) and prefill["metric"] == "tflop_per_s"
