@@ -152,6 +152,8 @@ def _case_fields(case: Case) -> dict:
               "sdpa_backend": case.sdpa_backend, "splits": case.splits}
     if case.graphed is not None:
         fields.update(graphed=case.graphed, writes=case.writes)
+    if case.device_metadata:
+        fields["device_metadata"] = True
     return fields
 
 
@@ -185,14 +187,16 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def _fastest(records: list[dict], impl: str, kv_dtype: Any = "any") -> dict | None:
     found = [r for r in records if r["status"] == "ok" and r["impl"] == impl
-             and (kv_dtype == "any" or r["kv_dtype"] == kv_dtype)]
+             and (kv_dtype == "any" or r["kv_dtype"] == kv_dtype) and not r.get("device_metadata")]
     return min(found, key=lambda r: r["median_ms"]) if found else None
 
 
 def add_ratios(records: list[dict]) -> None:
     """On each timed kvcupy record: speedup_vs_sdpa = fastest SDPA's time / kvcupy's
     (> 1: kvcupy faster); bandwidth_vs_copy / bandwidth_vs_stream = kvcupy's TB/s
-    over the copy's of the same bytes / over the fastest streaming split count's."""
+    over the copy's of the same bytes / over the fastest streaming split count's;
+    on a device-metadata record speed_vs_host_metadata = the host-metadata case's
+    time / its own."""
     for record in records:
         if record["impl"] != "kvcupy" or record["status"] != "ok":
             continue
@@ -204,6 +208,9 @@ def add_ratios(records: list[dict]) -> None:
         record["bandwidth_vs_copy"] = _ratio(record["tb_per_s"], copy["tb_per_s"]) if copy else None
         record["bandwidth_vs_stream"] = _ratio(record["tb_per_s"], stream["tb_per_s"]) if stream else None
         record["stream_splits"] = stream["splits"] if stream else None
+        if record.get("device_metadata"):
+            host = _fastest(records, "kvcupy", record["kv_dtype"])
+            record["speed_vs_host_metadata"] = _ratio(host["median_ms"], record["median_ms"]) if host else None
 
 
 def _step_record(records: list[dict], impl: str, kv_dtype: str | None, graphed: bool,

@@ -61,6 +61,10 @@ class _Tensors:
     def copy(self, x):
         return x.clone() if self.torch is not None else x.copy()
 
+    def on_device(self, array: np.ndarray):
+        """A host array on the GPU, in the framework the tensors come from."""
+        return self.torch.as_tensor(array, device="cuda") if self.torch is not None else self.cupy.asarray(array)
+
     def empty_like(self, x):
         return self.torch.empty_like(x) if self.torch is not None else self.cupy.empty_like(x)
 
@@ -136,7 +140,7 @@ class CudaRunner:
         if group.kind == "write":
             return self._write(group.shape, case.kv_dtype, sets), {}
         if case.impl == "kvcupy":
-            return self._kvcupy_attention(group, case.kv_dtype, sets), {}
+            return self._kvcupy_attention(group, case.kv_dtype, sets, case.device_metadata), {}
         if case.impl == "sdpa":
             return self._sdpa(group, case.sdpa_backend, sets)
         return self._stream(group, case, sets)
@@ -184,13 +188,20 @@ class CudaRunner:
                 self._written.add(id(cache))
         return caches[:sets]
 
-    def _kvcupy_attention(self, group: Group, kv_dtype: str, sets: int) -> list:
+    def _kvcupy_attention(self, group: Group, kv_dtype: str, sets: int, device_metadata: bool = False) -> list:
         data = self._attention_data(group)
+        metadata = {"batch": data.batch}
+        if device_metadata:
+            s = group.shape
+            metadata = dict(block_table=data.block_table, seq_lens=np.full(s.num_seqs, s.seq_len, np.int32),
+                            cu_seqlens_q=np.arange(s.num_seqs + 1, dtype=np.int32) * s.query_len)
+            metadata = {name: self.tensors.on_device(array) for name, array in metadata.items()}
+            metadata.update(max_query_len=s.query_len, max_seq_len=s.seq_len)
         calls = []
         for cache in self._group_caches(group, kv_dtype, sets, written=True):
             query = self.tensors.tokens(data.query)    # each set its own query and output
             out = self.tensors.empty_like(query)
-            calls.append(functools.partial(kvcupy.paged_attention, query, cache, batch=data.batch, out=out))
+            calls.append(functools.partial(kvcupy.paged_attention, query, cache, out=out, **metadata))
         return calls
 
     def _sdpa_function(self, backend: str) -> Callable:

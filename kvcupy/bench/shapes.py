@@ -160,6 +160,7 @@ class Case:
     splits: int | None = None
     graphed: bool | None = None
     writes: bool = True
+    device_metadata: bool = False   # kvcupy attention given device tensors and host bounds, no plan
 
     @property
     def name(self) -> str:
@@ -169,6 +170,8 @@ class Case:
                     "flashinfer": f"flashinfer {self.kv_dtype}"}[self.impl]
             return f"{what} {'graphed' if self.graphed else 'eager'}" + ("" if self.writes else ", no writes")
         if self.impl == "kvcupy":
+            if self.device_metadata:
+                return f"kvcupy {short}, device metadata"
             return f"kvcupy {short}" if self.kv_dtype else "kvcupy rotate"
         if self.impl == "sdpa":
             return "torch sdpa" + ("" if self.sdpa_backend == "default" else f" {self.sdpa_backend}")
@@ -313,7 +316,11 @@ def group_cases(group: Group) -> tuple[Case, ...]:
     if group.kind == "write":
         return kvcupy_cases + copies
     if group.kind == "prefill":
-        return kvcupy_cases + tuple(Case("sdpa", sdpa_backend=b) for b in SDPA_BACKENDS)
+        # int4 again with its metadata as device tensors beside max_query_len / max_seq_len
+        # (as flash-attn's varlen call takes them): the planner sees bounds, not lengths.
+        devices = () if group.sweep or "int4_per_token_head" not in group.kv_dtypes else (
+            Case("kvcupy", "int4_per_token_head", device_metadata=True),)
+        return kvcupy_cases + devices + tuple(Case("sdpa", sdpa_backend=b) for b in SDPA_BACKENDS)
     streams = tuple(Case("stream", kv_dtype, splits=splits)
                     for kv_dtype in group.kv_dtypes for splits in stream_splits(group.shape))
     return kvcupy_cases + (Case("sdpa", sdpa_backend="default"),) + copies + streams

@@ -263,6 +263,27 @@ def test_prefill_times_each_sdpa_backend():
     assert [c.sdpa_backend for c in cases if c.impl == "sdpa"] == ["default", "flash", "cudnn"]
 
 
+def test_prefill_times_int4_again_over_device_metadata():
+    shape = Shape("prefill", 64, 128, 32, 8, 128)
+    cases = bench_shapes.group_cases(Group("prefill", shape, KV_DTYPES))
+    (device,) = [c for c in cases if c.device_metadata]
+    assert (device.impl, device.kv_dtype, device.name) == ("kvcupy", "int4_per_token_head",
+                                                           "kvcupy int4, device metadata")
+    assert not any(c.device_metadata for c in bench_shapes.group_cases(Group("prefill", shape, KV_DTYPES,
+                                                                             sweep=True)))
+
+
+def test_the_device_metadata_case_is_graded_against_its_host_twin(fake_report):
+    group = group_of(fake_report, "prefill", Shape("prefill", 64, 128, 32, 8, 128))
+    device = record_of(group, "kvcupy int4, device metadata")
+    assert device["device_metadata"] is True and device["speed_vs_host_metadata"] == pytest.approx(1.0)
+    assert "device_metadata" not in record_of(group, "kvcupy int4")
+    targets = {t["target"]: t for t in fake_report["targets"]}
+    graded = targets["prefill int4, 64 x 128 causal, device metadata and host bounds: time within 10% of host "
+                     "metadata"]
+    assert graded["measured"] == pytest.approx(1.0) and graded["met"] is True
+
+
 @pytest.mark.parametrize("phase, groups, kinds", [
     ("all", None, {"decode", "prefill", "write", "rotate"}),
     ("decode", None, {"decode"}),
