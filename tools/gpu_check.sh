@@ -3,8 +3,9 @@
 #   the GPU tests (tools/gpu_tests.py: parallel parts sharing the GPU),
 #   compute-sanitizer memcheck on a subset (decode and prefill over shuffled pages,
 #   and the HIP kernels, MFMA attention included, through the wave64 and MFMA emulations),
-#   the bench of every group (JSON, for docs/measurements/<gpu>.json), the step
-#   group, and transformers' caches beside kvcupy's (examples/transformers_generate.py).
+#   the bench of every group (JSON, for docs/measurements/<gpu>.json), the host's
+#   cost a call (tools/host_overhead.py, SDPA's beside), the step group, and
+#   transformers' caches beside kvcupy's (examples/transformers_generate.py).
 # Logs and JSON go to $1 (default: the folder the environment variable OUT names,
 # else ./gpu-check).
 #
@@ -62,6 +63,8 @@ fi
 
 python3 -m cli bench --backend cuda --json >"$results/bench.json" 2>"$results/bench.log" || status=1
 tail -5 "$results/bench.log"
+python3 tools/host_overhead.py --frameworks torch,cupy >"$results/host.json" 2>"$results/host.log" || status=1
+cat "$results/host.json"
 python3 -m cli bench --backend cuda --groups step --json >"$results/step.json" 2>"$results/step.log" || status=1
 tail -3 "$results/step.log"
 # Llama-3-8B's geometry, 4 layers of random weights; each batch and prompt length in
