@@ -309,10 +309,12 @@ def test_launches_run_on_the_callers_current_stream(torch_cuda, launches):
     with torch.cuda.stream(side):
         manager.write(0, key, key, manager.reserve([first], NUM_TOKENS))
         second = manager.fork(first)
-        manager.reserve([first, second], 1)   # both append into the shared half-full page: a copy
+        slots = manager.reserve([first, second], 1)   # both append into the shared half-full page: a copy
+        manager.write(0, key[:2], key[:2], slots)
         manager.attention(0, torch.cat([query, query]), [first, second])
     side.synchronize()
-    assert [name for name, *_ in launches] == ["reshape_and_cache", "copy_blocks", "paged_attention"]
+    assert [name for name, *_ in launches] == ["reshape_and_cache", "copy_blocks", "reshape_and_cache",
+                                               "paged_attention"]
     assert {(stream, device) for _, stream, device in launches} == {(side.cuda_stream, 0)}
 
     launches.clear()

@@ -102,12 +102,14 @@ def test_a_repeated_call_replays_the_full_paths_launches(full_calls, framework, 
 
     query, out = randn(shape, 2), empty(shape)
     kc.paged_attention(query, cache, batch=batch, out=out)
-    fresh = kc.paged_attention(query, cache, batch=batch)   # out allocated by the replay
     assert full_calls["paged_attention"] == 1
+    kc.paged_attention(query, cache, batch=batch)           # without out=: a key of its own
+    fresh = kc.paged_attention(query, cache, batch=batch)   # replayed, out allocated by the replay
+    assert full_calls["paged_attention"] == 2
     assert type(fresh) is type(query)
 
     expected = kc.paged_attention(query, cache, batch=batch, validate=True)
-    assert full_calls["paged_attention"] == 2
+    assert full_calls["paged_attention"] == 3
     assert host(out).tobytes() == host(expected).tobytes()
     assert host(fresh).tobytes() == host(expected).tobytes()
 
@@ -183,7 +185,7 @@ def test_a_call_that_differs_in_more_than_pointers_is_checked_again(full_calls):
         kc.paged_attention(randn(shape, 2), cache, batch=batch, out=empty(shape), softmax_scale=True)
     with pytest.raises(ValueError, match="query has 3 tokens"):
         kc.paged_attention(randn((3, NUM_HEADS, 128), 2), cache, batch=batch, out=empty((3, NUM_HEADS, 128)))
-    assert full_calls["paged_attention"] == 4
+    assert full_calls["paged_attention"] == 1   # each refused by the full path's checks
 
 
 def test_a_replayed_call_is_captured_in_a_cuda_graph(full_calls, torch_cuda):
