@@ -232,3 +232,21 @@ def test_a_recorded_call_serves_every_layers_cache(full_calls, framework):
     for (cache, _), out in zip(layers, outs):
         expected = kc.paged_attention(query, cache, batch=batch, validate=True)
         assert host(out).tobytes() == host(expected).tobytes()
+
+
+def test_sinks_on_the_host_are_copied_each_call_and_device_sinks_replay(full_calls):
+    randn, empty = arrays_of("cupy")
+    cache, layout = filled_cache("int4_per_token_head", 128, None, [50, 20], [1, 1])
+    shape = (2, NUM_HEADS, 128)
+    logits = np.random.default_rng(4).standard_normal(NUM_HEADS).astype(np.float32)
+    for sinks, recorded in ((logits, False), (cupy.asarray(logits), True)):
+        batch = kc.plan_batch(block_table=layout.block_table, seq_lens=layout.seq_lens, block_size=BLOCK_SIZE,
+                              num_blocks=layout.num_blocks)
+        before = full_calls["paged_attention"]
+        query, out = randn(shape, 1), empty(shape)
+        for _ in range(2):
+            kc.paged_attention(query, cache, batch=batch, sinks=sinks, out=out)
+        assert full_calls["paged_attention"] - before == (1 if recorded else 2)
+        assert bool(batch._replays) == recorded
+        expected = kc.paged_attention(query, cache, batch=batch, sinks=sinks, validate=True)
+        assert cupy.asnumpy(out).tobytes() == cupy.asnumpy(expected).tobytes()

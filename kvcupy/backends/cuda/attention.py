@@ -294,7 +294,8 @@ def paged_attention(query, cache, batch, plan: Plan, *, softmax_scale: float, sl
                          x_dtype=np.dtype(np.float32), out_dtype=out.dtype)
             return None
     patched = {role for step in steps for _, role in step.patches}
-    copied_sinks = sinks is not None and sink_logits.data.ptr != sinks.data.data.ptr
+    # Sinks on the host, or not float32, reach the kernels as a copy made by this call.
+    copied_sinks = sinks is not None and sink_logits.data.ptr != getattr(getattr(sinks.data, "data", None), "ptr", None)
     if query_rows is not None or not {REPLAY_QUERY, REPLAY_OUT} <= patched or copied_sinks:
         return None
     return launch.RecordedCall(steps)
