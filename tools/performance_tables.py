@@ -1,9 +1,12 @@
-"""Render the GPU performance tables of docs/performance.md and README.md from one bench report.
+"""Render the GPU performance tables of docs/performance.md and README.md from the bench reports.
 
-The report is the JSON that `kvcupy bench --backend cuda --groups
-decode,prefill,write,rotate --json` prints, kept as docs/measurements/<gpu>.json
-(one file per GPU kind). Every number in a table comes from that file: nothing
-is typed by hand, so a new report changes the documents only through this script.
+A report is the JSON that `kvcupy bench --backend cuda --groups
+decode,prefill,write,rotate --json` prints, kept as docs/measurements/<gpu>.json,
+one file per GPU kind (REPORTS). The primary kind's report fills the main
+tables and the README's summary; each other kind's fills its own section of
+docs/performance.md (tables named "<kind>-<table>"). Every number in a table
+comes from a report: nothing is typed by hand, so a new report changes the
+documents only through this script.
 
 In a document, each table sits between two marker lines,
 `<!-- performance_tables: NAME -->` and `<!-- /performance_tables: NAME -->`;
@@ -27,7 +30,10 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-REPORT = ROOT / "docs" / "measurements" / "h200.json"
+MEASUREMENTS = ROOT / "docs" / "measurements"
+PRIMARY = "h200"
+REPORTS = {kind: MEASUREMENTS / f"{kind}.json" for kind in (PRIMARY, "h100")}
+REPORT = REPORTS[PRIMARY]
 PERFORMANCE = ROOT / "docs" / "performance.md"
 README = ROOT / "README.md"
 
@@ -43,6 +49,11 @@ def load(path: Path = REPORT) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def load_all() -> dict[str, dict]:
+    """Every kind's report, by kind."""
+    return {kind: load(path) for kind, path in REPORTS.items()}
+
+
 def groups(report: dict, kind: str) -> list[dict]:
     """The report's groups of one kind (decode, prefill, write, rotate), sweeps left out."""
     return [g for g in report["groups"] if g["kind"] == kind and not g.get("sweep")]
@@ -51,7 +62,7 @@ def groups(report: dict, kind: str) -> list[dict]:
 def case(group: dict, impl: str, kv_dtype: str | None = None, sdpa_backend: str | None = None) -> dict | None:
     """The group's case of `impl` ("kvcupy", "sdpa", "copy") for a KV dtype or an SDPA backend."""
     for record in group["cases"]:
-        if record["impl"] != impl:
+        if record["impl"] != impl or record.get("device_metadata"):   # that case feeds its target alone
             continue
         if kv_dtype is not None and record["kv_dtype"] != kv_dtype:
             continue
@@ -148,7 +159,7 @@ def targets_table(report: dict) -> str:
             value = "-"
         elif target["metric"] in ("bandwidth_vs_copy",):
             value = percent(measured)
-        elif target["metric"] == "speedup_vs_sdpa":
+        elif target["metric"] in ("speedup_vs_sdpa", "speed_vs_host_metadata"):
             value = f"{measured:.2f}x"
         else:
             value = f"{measured:.2f}" if target["metric"] == "tb_per_s" else f"{measured:.1f}"
@@ -247,14 +258,22 @@ TABLES: dict[str, Callable[[dict], str]] = {
     "rotate": rotate_table,
     "readme": readme_table,
 }
+# The tables of another kind's section.
+OTHER_KIND_TABLES = ("run", "targets", "decode", "prefill", "write", "rotate")
 DOCUMENTS: dict[Path, tuple[str, ...]] = {
-    PERFORMANCE: ("run", "targets", "decode", "prefill", "prefill_ms", "write", "rotate"),
+    PERFORMANCE: ("run", "targets", "decode", "prefill", "prefill_ms", "write", "rotate",
+                  *(f"{kind}-{name}" for kind in REPORTS if kind != PRIMARY for name in OTHER_KIND_TABLES)),
     README: ("readme",),
 }
 
 
-def render_all(report: dict) -> dict[str, str]:
-    return {name: render(report) for name, render in TABLES.items()}
+def render_all(reports: dict[str, dict]) -> dict[str, str]:
+    """Every table, by name: the primary kind's under TABLES' names, the others' as "<kind>-<name>"."""
+    tables = {name: render(reports[PRIMARY]) for name, render in TABLES.items()}
+    for kind, report in reports.items():
+        if kind != PRIMARY:
+            tables.update({f"{kind}-{name}": TABLES[name](report) for name in OTHER_KIND_TABLES})
+    return tables
 
 
 def _block(name: str) -> re.Pattern:
@@ -279,12 +298,11 @@ def with_tables(text: str, tables: dict[str, str], names: tuple[str, ...]) -> st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--report", type=Path, default=REPORT, help="the bench JSON (default: %(default)s)")
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--write", action="store_true", help="rewrite the tables in the documents")
     action.add_argument("--check", action="store_true", help="exit 1 when a document's table differs")
     args = parser.parse_args(argv)
-    tables = render_all(load(args.report))
+    tables = render_all(load_all())
     if not (args.write or args.check):
         for name, text in tables.items():
             print(f"<!-- performance_tables: {name} -->\n{text}\n")
