@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,16 +116,22 @@ class CacheArrays(_Geometry):
 
 
     @functools.cached_property
-    def replay_layout(self) -> tuple:
+    def replay_layout(self) -> int:
         """What a recorded call (kvcupy.replay) reads of the cache besides its tensors'
-        addresses: plan_key and the rotation itself."""
-        return self.plan_key, self.rotation
+        addresses, plan_key and the rotation itself, as a number (one per distinct
+        layout in the process: a replay's key hashes it at every call)."""
+        with _LAYOUTS_LOCK:
+            return _LAYOUTS.setdefault((self.plan_key, self.rotation), len(_LAYOUTS))
 
     @functools.cached_property
     def addresses(self) -> tuple:
         """key_cache, value_cache, k_scale_cache, v_scale_cache's addresses (0: absent)."""
         return tuple(0 if a is None else _address(a)
                      for a in (self.key_cache, self.value_cache, self.k_scale_cache, self.v_scale_cache))
+
+
+_LAYOUTS: dict = {}
+_LAYOUTS_LOCK = threading.Lock()
 
 
 def _address(array) -> int:

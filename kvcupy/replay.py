@@ -101,10 +101,6 @@ def _cache(cache) -> tuple | None:
     return None if arrays is None else (arrays.replay_layout, arrays.addresses)
 
 
-def _scalar(value) -> tuple:
-    return type(value), value
-
-
 def _keep(memo: dict, key, value, limit: int) -> None:
     if len(memo) >= limit:
         memo.clear()
@@ -195,17 +191,21 @@ def attention_call(query, cache, out, batch, metadata: tuple, hints: tuple, scal
     if described_cache is None:
         return None
     layout, addresses = described_cache
-    key = (layout, query_key, out_key, tuple(_scalar(value) for value in scalars), sinks_key)
+    # The scalars with their types: True == 1.0, but the full path refuses a bool.
+    softmax_scale, sliding_window, softcap = scalars
+    key = (layout, query_key, out_key, type(softmax_scale), softmax_scale, type(sliding_window), sliding_window,
+           type(softcap), softcap, sinks_key)
     metadata_key = None
     if batch is None:
         geometry = _geometry(cache)
         if geometry is None:
             return None
-        found = _metadata(metadata, (geometry, query_key[2][0], tuple(_scalar(hint) for hint in hints)))
+        found = _metadata(metadata, (geometry, query_key[2][0], tuple((type(hint), hint) for hint in hints)))
         if found is None:
             return None
         metadata_key, batch = found
-    elif any(array is not None for array in metadata) or any(hint is not None for hint in hints):
+    elif metadata[0] is not None or metadata[1] is not None or metadata[2] is not None or \
+            hints[0] is not None or hints[1] is not None:
         return None   # both forms at once: the full path says what is wrong
     memo = getattr(batch, "_replays", None)
     return Call(key, memo, (query_pointer, out_pointer) + addresses, device, query, metadata_key, batch,
