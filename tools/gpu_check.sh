@@ -12,6 +12,7 @@
 #   tools/gpu_check.sh [OUTPUT_DIR] [--quick | --tests K-L | --no-tests]
 #
 # --quick: the long-context error tests and the decode bench group only.
+# The tests run verbose: a part stopped by its time limit still names its failures.
 # --tests K-L: only parts K to L of the GPU tests (of GPU_TEST_PARTS, default 24), nothing
 #   else: the whole suite takes longer than one command may run, so it goes as
 #   --tests 0-11, then --tests 12-23, then --no-tests (memcheck and the benches).
@@ -36,12 +37,12 @@ fi
 
 if [ "$quick" = "--tests" ]; then
     python3 tools/gpu_tests.py --parts "${GPU_TEST_PARTS:-24}" --only "${3:?--tests takes K-L}" \
-        --logs "$results/tests" --timeout 540 -- -m gpu -q -rfE tests >"$results/tests.log" 2>&1 || status=1
+        --logs "$results/tests" --timeout 540 -- -m gpu -v -rfE tests >"$results/tests.log" 2>&1 || status=1
     tail -30 "$results/tests.log"
     exit $status
 fi
 if [ "$quick" != "--no-tests" ]; then
-    python3 tools/gpu_tests.py --parts 12 --logs "$results/tests" --timeout 420 -- -m gpu -q -rfE tests \
+    python3 tools/gpu_tests.py --parts 12 --logs "$results/tests" --timeout 420 -- -m gpu -v -rfE tests \
         >"$results/tests.log" 2>&1 || status=1
     tail -30 "$results/tests.log"
 fi

@@ -47,8 +47,13 @@ SHORT_SUMMARY = re.compile(r"^(FAILED|ERROR) \S+")
 
 def failure_lines(log: str) -> list[str]:
     """The short test summary's FAILED and ERROR lines of a part's log (pytest -rfE), so
-    that the report names each failing test even where the part logs do not travel."""
-    return [line.rstrip() for line in log.splitlines() if SHORT_SUMMARY.match(line)]
+    that the report names each failing test even where the part logs do not travel.
+    A part stopped by the time limit prints no summary: with -v its results so far
+    name them instead ("FAILED path::test")."""
+    summary = [line.rstrip() for line in log.splitlines() if SHORT_SUMMARY.match(line)]
+    if summary:
+        return summary
+    return [f"{word} {test}" for test, word in VERBOSE_FAILURE.findall(log)]
 
 
 def outcome_counts(line: str) -> Counter:
@@ -64,7 +69,8 @@ def outcome_counts(line: str) -> Counter:
 # What a part had done when its time ran out: pytest's progress characters
 # (-q: "..F.s" lines) or its verbose results ("test.py::name PASSED").
 PROGRESS_LINE = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")
-VERBOSE_RESULT = re.compile(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+VERBOSE_FAILURE = re.compile(r"^(\S+::.*?) (FAILED|ERROR)(?= |$)", re.M)   # ids may hold spaces
+VERBOSE_RESULT = re.compile(r"::.*? (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?= |$)")
 PROGRESS_OUTCOMES = {".": "passed", "F": "failed", "E": "error", "s": "skipped", "x": "xfailed", "X": "xpassed"}
 VERBOSE_OUTCOMES = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
                     "XFAIL": "xfailed", "XPASS": "xpassed"}

@@ -121,3 +121,7 @@ def test_each_failing_test_is_named_in_the_report(tmp_path):
     assert lines[1].startswith("  FAILED ") and "test_broken" in lines[1] and "one is not two" in lines[1], ran.stdout
     assert load_tool().failure_lines("x\nFAILED a.py::t - E\nERROR b.py::u\nFAILED\n") == [
         "FAILED a.py::t - E", "ERROR b.py::u"]
+    # A part stopped by the time limit has no summary: its verbose results name them.
+    stopped = "a.py::t[x-1] PASSED [ 1%]\na.py::t[x two] FAILED [ 2%]\nb.py::u ERROR\n"
+    assert load_tool().failure_lines(stopped) == ["FAILED a.py::t[x two]", "ERROR b.py::u"]
+    assert load_tool().progress_counts(stopped) == {"passed": 1, "failed": 1, "error": 1}
