@@ -104,18 +104,24 @@ def rotate(x, plan: RotationPlan, inverse: bool = False):
     """Rotate the last axis of x with `plan` (inverse=True undoes it); same dtype as x."""
     if not isinstance(plan, RotationPlan):
         raise TypeError(f"plan must be a RotationPlan, got {type(plan).__name__}")
+    inverse = bool(inverse)
+    call = replay.rotate_call(x, plan, inverse)
+    if call is not None and call.recorded is not None:
+        return call.run()
     with interop.running_like(x):
-        return _rotate(x, plan, inverse)
+        return _rotate(x, plan, inverse, call)
 
 
-def _rotate(x, plan: RotationPlan, inverse: bool):
+def _rotate(x, plan: RotationPlan, inverse: bool, call=None):
     array = _float_array(x, "x")
     if array.ndim == 0 or array.shape[-1] != plan.head_size:
         raise ValueError(f"x has shape {array.shape}; its last axis must be the plan's "
                          f"head_size={plan.head_size}")
     backend = backends.for_device(array.device, "x")
     out = _new_array(backend, array.shape, array.dtype, array.device, "out")
-    backend.rotate(array, plan, bool(inverse), out)
+    recorded = backend.rotate(array, plan, bool(inverse), out)
+    if call is not None:
+        call.keep(recorded, replay.ROTATIONS)
     return interop.like(out, x)
 
 

@@ -21,6 +21,8 @@ whose launches read and write the caller's arrays themselves (no copy of a
 strided query, no kron rotation through a float32 buffer, no sinks
 conversion). A replay launches only: it is safe under CUDA graph capture.
 
+`rotate` calls are kept in one process-wide table, keyed by the plan as well.
+
 Takes this path: torch tensors (the class itself, not a subclass; not
 requiring grad) and CuPy arrays on a GPU whose device is the current one,
 without validate=True. Metadata given as device arrays instead of a plan is
@@ -39,6 +41,15 @@ MAX_ENTRIES = 1024
 MAX_METADATA_PLANS = 64
 
 _metadata_plans: dict = {}   # device metadata -> BatchPlan / SlotMapping
+
+
+class _Rotations:
+    """Where `rotate`'s recorded calls are kept (it takes no plan of a batch)."""
+
+    _replays: dict = {}
+
+
+ROTATIONS = _Rotations()
 
 
 def _torch():
@@ -94,9 +105,10 @@ def _new_like(x):
 
 
 def _cache(cache) -> tuple | None:
-    """(layout, addresses) of a cache a full call has viewed (its CacheArrays, made
-    once): recorded calls serve every cache of one layout, each layer's own, with its
-    tensors' addresses patched in. None before the cache's first full call."""
+    """(layout, addresses) of a cache from its backend views (CacheArrays, which ops
+    makes once a cache before its first call): recorded calls serve every cache of
+    one layout, each layer's own, with its tensors' addresses patched in. None for
+    anything without views (not a KVCache: the full path refuses it)."""
     arrays = getattr(cache, "_arrays", None)
     return None if arrays is None else (arrays.replay_layout, arrays.addresses)
 
@@ -238,3 +250,15 @@ def write_call(key, value, cache, slot_mapping) -> Call | None:
     memo = getattr(slots, "_replays", None)
     return Call((layout, key_key, value_key), memo, (key_pointer, value_pointer) + addresses, device, key,
                 metadata_key, slots)
+
+
+def rotate_call(x, plan, inverse: bool) -> Call | None:
+    """The replay of a `rotate` call (the output allocated anew), or None where it cannot replay."""
+    described = array_key(x)
+    if described is None:
+        return None
+    x_key, x_pointer, device = described
+    if device != _current_device():
+        return None
+    return Call((x_key, plan, inverse), ROTATIONS._replays, (x_pointer, None), device, x,
+                plan=ROTATIONS, fresh_out=True)

@@ -5,8 +5,8 @@ validates a call, finds the backend by where the call's arrays live
 (`for_device`), and hands it arguments that are already checked: `Array`s
 of its own array type (interop), a `KVCache` whose tensors it can read, a
 `BatchPlan` / `SlotMapping` whose host contents were checked once. A backend
-writes results into the `out` it is given. Its writes and attention calls may
-return the launches they made, for `kvcupy.replay` to repeat with other data
+writes results into the `out` it is given. Its writes, rotations and attention
+calls may return the launches they made, for `kvcupy.replay` to repeat with other data
 pointers (an object with `replay(stream, pointers)`), or None.
 
 Backend modules are imported lazily: `kvcupy.backends.cuda` imports CuPy,
@@ -69,8 +69,9 @@ class Backend(Protocol):
     def empty(self, shape: tuple, dtype, device) -> Any:
         """An uninitialised array on `device`, as zeros."""
 
-    def rotate(self, x, plan, inverse: bool, out) -> None:
-        """out = plan's rotation (or its inverse) of x's last axis, in x's dtype."""
+    def rotate(self, x, plan, inverse: bool, out) -> Any:
+        """out = plan's rotation (or its inverse) of x's last axis, in x's dtype; the
+        launches made, replayable with (x, out) pointers, or None."""
 
     def reshape_and_cache(self, key, value, cache, slots) -> Any:
         """Rotate, quantize and write key/value [T, Hk, d] at slots.device_slots;

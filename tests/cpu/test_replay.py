@@ -148,3 +148,20 @@ def test_caches_of_one_layout_share_a_replay_layout():
     assert arrays("int8_per_token_head").replay_layout != first.replay_layout
     assert arrays(blocks=5).replay_layout != first.replay_layout
     assert arrays(rotation=kc.rotation_plan(96, "kron")).replay_layout != first.replay_layout
+
+
+def test_a_rotation_replays_into_a_new_output(monkeypatch):
+    import kvcupy as kc
+    monkeypatch.setattr(replay.ROTATIONS, "_replays", {})
+    allocated = FakeDeviceArray((6, 96), ptr=0xF000)
+    monkeypatch.setattr(replay, "_new_like", lambda x: allocated)
+    plan = kc.rotation_plan(96)
+    first = replay.rotate_call(FakeDeviceArray((6, 96), ptr=0x1000), plan, False)
+    recorded = Recorded()
+    first.keep(recorded, replay.ROTATIONS)
+    again = replay.rotate_call(FakeDeviceArray((6, 96), ptr=0x2000), plan, False)
+    assert again.recorded is recorded and again.run() is allocated
+    assert recorded.replays == [(0x5EED, (0x2000, 0xF000))]
+    assert replay.rotate_call(FakeDeviceArray((6, 96), ptr=0x2000), plan, True).recorded is None
+    assert replay.rotate_call(FakeDeviceArray((6, 96), ptr=0x2000), kc.rotation_plan(96, "kron"), False).recorded is None
+    assert replay.rotate_call(np.zeros((6, 96), np.float16), plan, False) is None

@@ -21,6 +21,7 @@ if not backends.status("cuda").usable:
 
 import cupy  # noqa: E402
 
+from kvcupy import replay  # noqa: E402
 from kvcupy.backends import cuda as cuda_backend  # noqa: E402
 
 from ..helpers import paged_batch  # noqa: E402
@@ -31,7 +32,7 @@ NUM_HEADS, NUM_KV_HEADS, BLOCK_SIZE = 8, 2, 16
 @pytest.fixture
 def full_calls(monkeypatch):
     """How often each of the CUDA backend's entries ran (a replay runs none)."""
-    counts = {"paged_attention": 0, "reshape_and_cache": 0}
+    counts = {"paged_attention": 0, "reshape_and_cache": 0, "rotate": 0}
 
     def counted(name):
         original = getattr(cuda_backend, name)
@@ -250,3 +251,25 @@ def test_sinks_on_the_host_are_copied_each_call_and_device_sinks_replay(full_cal
         assert bool(batch._replays) == recorded
         expected = kc.paged_attention(query, cache, batch=batch, sinks=sinks, validate=True)
         assert cupy.asnumpy(out).tobytes() == cupy.asnumpy(expected).tobytes()
+
+
+@pytest.mark.parametrize("kind", ["blockdiag", "kron"])
+@pytest.mark.parametrize("head_size", [96, 128])
+def test_a_repeated_rotation_replays_into_a_new_output(full_calls, framework, kind, head_size, monkeypatch):
+    monkeypatch.setattr(replay.ROTATIONS, "_replays", {})   # what other tests recorded
+    name, torch = framework
+    randn, _ = arrays_of(name, torch)
+    plan = kc.rotation_plan(head_size, kind)
+    shape = (9, 4, head_size)
+    for inverse in (False, True):
+        before = full_calls["rotate"]
+        kc.rotate(randn(shape, 1), plan, inverse=inverse)
+        x = randn(shape, 2)
+        got = kc.rotate(x, plan, inverse=inverse)
+        assert full_calls["rotate"] == before + 1 and type(got) is type(x)
+        expected = kc.rotate(host(x), plan, inverse=inverse)   # the CPU backend, to the bit
+        assert host(got).tobytes() == np.asarray(expected).tobytes()
+    before = full_calls["rotate"]
+    for seed in (3, 4):   # rows that are not a view of x: copied, so never recorded
+        kc.rotate(randn((9, 8, head_size), seed)[:, ::2], plan)
+    assert full_calls["rotate"] == before + 2

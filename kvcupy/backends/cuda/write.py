@@ -218,7 +218,8 @@ def rotate_threads(layout: VectorLayout) -> int:
 
 def rotate_rows(x: cupy.ndarray, out: cupy.ndarray, plan: RotationPlan | None, *, inverse: bool,
                 divisor: float, read_order: cupy.ndarray | None = None,
-                write_order: cupy.ndarray | None = None, x_dtype=None, out_dtype=None, function=None) -> None:
+                write_order: cupy.ndarray | None = None, x_dtype=None, out_dtype=None, function=None,
+                record: bool = False):
     """out[v, k] = y[write_order[k]] / divisor, y = H (s * x'[v]) (inverse: s * (H^T x'[v])),
     x'[v, i] = x[v, read_order[i]]: cpu_kernels.rotate_rows, bit for bit.
 
@@ -226,9 +227,12 @@ def rotate_rows(x: cupy.ndarray, out: cupy.ndarray, plan: RotationPlan | None, *
     x's dtype (x_dtype / out_dtype give the logical dtypes; uint16 means bfloat16 by
     default). Arithmetic in float64, one rounding to float32, then one to out's dtype.
     Orders: int32 arrays of length d or None. plan None or "none": only orders and divisor.
-    `function`: as reshape_and_cache's.
+    `function`: as reshape_and_cache's. record (CUDA's own launch): launch packed and
+    return a launch.RecordedCall replayable with other (x, out) pointers where x needed
+    no copy and no orders were given; None otherwise.
     """
     import cupy
+    record = record and function is None
     function = function or _function
     num_rows, head_size = x.shape
     if out.shape != x.shape:
@@ -236,8 +240,9 @@ def rotate_rows(x: cupy.ndarray, out: cupy.ndarray, plan: RotationPlan | None, *
     if out.strides[1] != out.itemsize:
         raise ValueError(f"out must have a contiguous last axis (strides {out.strides})")
     if num_rows == 0:
-        return
+        return None
     device_index = x.device.id
+    given = x
     with cupy.cuda.Device(device_index):
         x = _contiguous_rows(x)
         orders = [None if o is None else cupy.ascontiguousarray(cupy.asarray(o, dtype=np.int32))
@@ -259,19 +264,29 @@ def rotate_rows(x: cupy.ndarray, out: cupy.ndarray, plan: RotationPlan | None, *
                 np.float64(divisor), np.float64(1.0 / divisor if exact else 0.0), np.int32(mode),
                 *(np.uint64(0) if o is None else o for o in orders),
                 np.int32(_alignment(x.data.ptr, x.strides[0])), np.int32(_alignment(out.data.ptr, out.strides[0])))
-        kernel((grid,), (threads,), args)
+        if not record:
+            kernel((grid,), (threads,), args)
+            return None
+        rotation = launch.PackedLaunch.from_args(launch.function_handle(kernel), (grid,), (threads,), args,
+                                                 replayed=(given, out))
+        rotation(cupy.cuda.get_current_stream().ptr)
+    return launch.RecordedCall((rotation,)) if x is given and not use_orders else None
 
 
-def rotate(x, plan: RotationPlan, inverse: bool, out, *, function=None) -> None:
-    """out.data = rotation of x.data (interop.Arrays of the same shape and dtype)."""
+def rotate(x, plan: RotationPlan, inverse: bool, out, *, function=None):
+    """out.data = rotation of x.data (interop.Arrays of the same shape and dtype). CUDA's
+    own launch comes back as a launch.RecordedCall replayable with other (x, out)
+    pointers (kvcupy.replay), where rotate_rows gives one; None otherwise."""
     if plan.is_identity:
         out.data[...] = x.data
-        return
+        return None
     head_size = plan.head_size
-    rows = x.data.reshape(-1, head_size)
+    rows = x.data.reshape(-1, head_size)         # a copy unless x is contiguous
     out_rows = out.data.reshape(-1, head_size)   # out is fresh and contiguous: a view
-    rotate_rows(rows, out_rows, plan, inverse=inverse, divisor=float(plan.norm) if inverse else 1.0,
-                x_dtype=x.dtype, out_dtype=out.dtype, function=function)
+    # Recorded only where the rows are a view of x itself, starting where x starts.
+    return rotate_rows(rows, out_rows, plan, inverse=inverse, divisor=float(plan.norm) if inverse else 1.0,
+                       x_dtype=x.dtype, out_dtype=out.dtype, function=function,
+                       record=bool(x.data.flags.c_contiguous))
 
 
 # --- copy-on-write --------------------------------------------------------

@@ -56,7 +56,7 @@ def rotate_rows(x: cupy.ndarray, out: cupy.ndarray, plan: RotationPlan | None, *
 
 def rotate(x, plan: RotationPlan, inverse: bool, out) -> None:
     """out.data = rotation of x.data (interop.Arrays of the same shape and dtype)."""
-    cuda_write.rotate(x, plan, inverse, out, function=_function)
+    cuda_write.rotate(x, plan, inverse, out, function=_function)   # launched through CuPy: nothing to replay
 
 
 def copy_blocks(caches, pairs: np.ndarray) -> None:
