@@ -85,6 +85,16 @@ def _current_device() -> int | None:
         return None
 
 
+def _first_argument(x) -> tuple | None:
+    """array_key of a call's first data argument, which sets where the call runs: None
+    unless a replay can take it and its device is the current one (the kernels were
+    loaded in that device's context)."""
+    described = array_key(x)
+    if described is None or described[2] != _current_device():
+        return None
+    return described
+
+
 def _stream(x, device: int) -> int:
     """The caller's current stream for `x`: torch's on the tensor's device, else CuPy's."""
     if type(x) is _torch():
@@ -180,12 +190,10 @@ def attention_call(query, cache, out, batch, metadata: tuple, hints: tuple, scal
     """The replay of a `paged_attention` call, or None where it cannot replay.
     metadata: (block_table, seq_lens, cu_seqlens_q); hints: (max_query_len,
     max_seq_len); scalars: (softmax_scale, sliding_window, softcap)."""
-    query_described = array_key(query)
+    query_described = _first_argument(query)
     if query_described is None:
         return None
     query_key, query_pointer, device = query_described
-    if device != _current_device():
-        return None
     if out is None:
         out_key, out_pointer = None, None
     else:
@@ -226,12 +234,10 @@ def attention_call(query, cache, out, batch, metadata: tuple, hints: tuple, scal
 
 def write_call(key, value, cache, slot_mapping) -> Call | None:
     """The replay of a `reshape_and_cache` call, or None where it cannot replay."""
-    key_described, value_described = array_key(key), array_key(value)
+    key_described, value_described = _first_argument(key), array_key(value)
     if key_described is None or value_described is None:
         return None
     key_key, key_pointer, device = key_described
-    if device != _current_device():
-        return None
     value_key, value_pointer, _ = value_described
     described_cache = _cache(cache)
     if described_cache is None:
@@ -254,11 +260,9 @@ def write_call(key, value, cache, slot_mapping) -> Call | None:
 
 def rotate_call(x, plan, inverse: bool) -> Call | None:
     """The replay of a `rotate` call (the output allocated anew), or None where it cannot replay."""
-    described = array_key(x)
+    described = _first_argument(x)
     if described is None:
         return None
     x_key, x_pointer, device = described
-    if device != _current_device():
-        return None
     return Call((x_key, plan, inverse), ROTATIONS._replays, (x_pointer, None), device, x,
                 plan=ROTATIONS, fresh_out=True)
