@@ -202,14 +202,8 @@ def launch(handle: int, grid: tuple, block: tuple, signature: str, args: tuple, 
     `signature` on `stream` (a handle); dependent: as a programmatic dependent of
     the kernel queued before it. Dynamic shared memory above 48 KB needs the
     function's attribute set first (a RawKernel's max_dynamic_shared_size_bytes)."""
-    launch_packed(handle, grid, block, pack_parameters(signature, args), stream=stream,
-                  shared_bytes=shared_bytes, dependent=dependent)
-
-
-def launch_packed(handle: int, grid: tuple, block: tuple, packed: bytes, *, stream: int,
-                  shared_bytes: int = 0, dependent: bool = False) -> None:
-    """launch() with the parameter buffer already packed (ParameterStruct.pack)."""
-    PackedLaunch(handle, grid, block, packed, shared_bytes=shared_bytes, dependent=dependent)(stream)
+    PackedLaunch(handle, grid, block, pack_parameters(signature, args), shared_bytes=shared_bytes,
+                 dependent=dependent)(stream)
 
 
 def signature_of(args: tuple) -> str:

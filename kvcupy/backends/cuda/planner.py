@@ -278,7 +278,7 @@ class Plan:
         return handle
 
     def merge_handle(self, out_dtype) -> int:
-        """merge_function's CUfunction, for launch.py's dependent launch."""
+        """merge_function's CUfunction, for launch.py's packed launch."""
         handle = self.handles.get(out_dtype)
         if handle is None:
             handle = self.handles[out_dtype] = launch.function_handle(self.merge_function(out_dtype))
