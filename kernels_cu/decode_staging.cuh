@@ -285,6 +285,136 @@ struct DecodeStaging : PageTable {
     }
   }
 
+  // Row staging, copies after the tile, 64-token tiles (int4 decode's, which
+  // the planner takes for long splits: Tuning.long_tile_min_split_tokens): the
+  // last stage is free once the query rows are read, so tile STAGES - 1 goes
+  // out before tile 0's math (early_last), not after it. Shorter tiles keep
+  // the copies after tile 0: their splits are too short to gain by it, and a
+  // compile-time choice spares the long splits a run-time test of the split's length.
+  static constexpr bool kEarlyLast = KVC_STAGING == KVC_STAGE_ROWS && !KVC_ROWS_BEFORE && TILE >= 64;
+
+  // The pipeline's prologue: the stages' barriers (mbarrier staging) and the
+  // copies of tiles 0 .. STAGES - 2.
+  static __device__ __forceinline__ void prologue(const Params& p, u8* smem, PageWindow& window, const int* table,
+                                                  int head0, int key_lo, int key_hi, int num_tiles, int block_shift) {
+    u8* const barriers = smem + T::kBarrierOffset;   // full[STAGES], then empty[STAGES]
+    if constexpr (KVC_STAGING == KVC_STAGE_ROWS) {
+      if (threadIdx.x < STAGES) {
+        mbarrier_init(barriers + 8 * threadIdx.x, T::kThreads);               // every thread's copies
+        mbarrier_init(barriers + 8 * (STAGES + threadIdx.x), T::kThreads);    // every reader
+      }
+      __syncthreads();
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < num_tiles) {
+          slide_window(window, p, table, (key_lo + s * TILE) >> block_shift, key_lo, key_hi, block_shift);
+          stage_rows(p, smem, s, head0, key_lo + s * TILE, key_lo, key_hi, block_shift, window);
+          cp_async_arrive_noinc(barriers + 8 * s);
+        }
+      }
+    } else if constexpr (KVC_STAGING == KVC_STAGE_BULK) {
+      if (threadIdx.x < STAGES) {
+        mbarrier_init(barriers + 8 * threadIdx.x, 32);                // warp 0's lanes
+        mbarrier_init(barriers + 8 * (STAGES + threadIdx.x), T::kThreads);  // every reader
+      }
+      __syncthreads();
+      if (threadIdx.x < 32) {   // warp 0
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+          if (s < num_tiles) {
+            slide_window(window, p, table, (key_lo + s * TILE) >> block_shift, key_lo, key_hi, block_shift);
+            stage_pages(p, smem, s, head0, key_lo + s * TILE, block_shift, window);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < num_tiles) {
+          slide_window(window, p, table, (key_lo + s * TILE) >> block_shift, key_lo, key_hi, block_shift);
+          stage_tile(p, smem, s, head0, key_lo + s * TILE, key_lo, key_hi, block_shift, window);
+        }
+        cp_async_commit();
+      }
+    }
+  }
+
+  // Row staging of 64-token tiles: tile STAGES - 1's copies, once every warp
+  // is done with its query rows in that stage.
+  static __device__ __forceinline__ void early_last(const Params& p, u8* smem, PageWindow& window, const int* table,
+                                                    int head0, int key_lo, int key_hi, int num_tiles,
+                                                    int block_shift) {
+    u8* const barriers = smem + T::kBarrierOffset;
+    if constexpr (kEarlyLast) {
+      constexpr int kLast = STAGES - 1;
+      if (kLast < num_tiles) {
+        slide_window(window, p, table, (key_lo + kLast * TILE) >> block_shift, key_lo, key_hi, block_shift);
+        stage_rows(p, smem, kLast, head0, key_lo + kLast * TILE, key_lo, key_hi, block_shift, window);
+        cp_async_arrive_noinc(barriers + 8 * kLast);
+      }
+    }
+  }
+
+  // Before tile `tile`'s math: wait until its copies have landed, and issue
+  // tile + STAGES - 1's where they go out before the math.
+  static __device__ __forceinline__ void before_tile(const Params& p, u8* smem, PageWindow& window,
+                                                     const int* table, int head0, int tile, int key_lo, int key_hi,
+                                                     int num_tiles, int block_shift) {
+    u8* const barriers = smem + T::kBarrierOffset;
+    const int next = tile + STAGES - 1;   // the tile whose copies go out with this one
+    const int next_base = key_lo + next * TILE;
+    if constexpr (KVC_STAGING == KVC_STAGE_ROWS) {
+      mbarrier_wait(barriers + 8 * (tile % STAGES), (tile / STAGES) & 1);
+      if (KVC_ROWS_BEFORE && next < num_tiles) {
+        // Its stage last held tile - 1: every warp must be done with that.
+        if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
+        slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+        stage_rows(p, smem, next % STAGES, head0, next_base, key_lo, key_hi, block_shift, window);
+        cp_async_arrive_noinc(barriers + 8 * (next % STAGES));
+      }
+    } else if constexpr (KVC_STAGING == KVC_STAGE_BULK) {
+      if (threadIdx.x < 32 && next < num_tiles) {
+        // Its stage last held tile - 1: wait until every warp is done with that.
+        if (next >= STAGES) {
+          mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
+          fence_proxy_async();   // those reads (generic proxy) before the copies' writes (async proxy)
+        }
+        slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+        stage_pages(p, smem, next % STAGES, head0, next_base, block_shift, window);
+      }
+      mbarrier_wait(barriers + 8 * (tile % STAGES), (tile / STAGES) & 1);
+    } else {
+      cp_async_wait<STAGES - 2>();
+      // Everyone is done with the stage the next copy overwrites (tile - 1's).
+      __syncthreads();
+      if (next < num_tiles) {
+        slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+        stage_tile(p, smem, next % STAGES, head0, next_base, key_lo, key_hi, block_shift, window);
+      }
+      cp_async_commit();   // (an empty group at the end keeps wait_group's count in step)
+    }
+  }
+
+  // After tile `tile`'s math: this thread is done with its stage, and row
+  // staging issues tile + STAGES - 1's copies.
+  static __device__ __forceinline__ void after_tile(const Params& p, u8* smem, PageWindow& window,
+                                                    const int* table, int head0, int tile, int key_lo, int key_hi,
+                                                    int num_tiles, int block_shift) {
+    u8* const barriers = smem + T::kBarrierOffset;
+    const int next = tile + STAGES - 1;
+    const int next_base = key_lo + next * TILE;
+    if constexpr (KVC_MBARRIERS) mbarrier_arrive(barriers + 8 * (STAGES + tile % STAGES));   // done with the stage
+    if constexpr (KVC_STAGING == KVC_STAGE_ROWS && !KVC_ROWS_BEFORE) {
+      if (next < num_tiles && (!kEarlyLast || next >= STAGES)) {   // (or it went out before the loop)
+        // Its stage last held tile - 1: every warp must be done with that.
+        if (next >= STAGES) mbarrier_wait(barriers + 8 * (STAGES + next % STAGES), (next / STAGES - 1) & 1);
+        slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
+        stage_rows(p, smem, next % STAGES, head0, next_base, key_lo, key_hi, block_shift, window);
+        cp_async_arrive_noinc(barriers + 8 * (next % STAGES));
+      }
+    }
+  }
+
   // Row staging: each warp copies its share of tile t + STAGES - 1 after
   // computing tile t (of 64-token tiles, tile STAGES - 1 before the loop,
   // where its stage frees) rather than before, into the stage of tile t - 1,
