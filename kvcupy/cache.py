@@ -26,6 +26,7 @@ import numpy as np
 
 from . import formats, interop, ops
 from .batch import BatchPlan, SlotMapping, plan_batch, plan_slots
+from .decode_step import DecodeStep
 from .kvcache import KVCache
 from .rotation import RotationPlan
 
@@ -332,10 +333,21 @@ class PagedKVCache:
 
     # --- kernels ------------------------------------------------------------
 
+    def decode_step(self, max_batch: int, max_seq_len: int) -> DecodeStep:
+        """A decode step of up to max_batch sequences, each at most max_seq_len tokens
+        long, over metadata buffers that keep their addresses from step to step: what
+        a CUDA graph of a whole step (every layer's write and attention) replays
+        (kvcupy.decode_step). Build one per batch bucket."""
+        return DecodeStep(self, _count(max_batch, "max_batch", minimum=1),
+                          _count(max_seq_len, "max_seq_len", minimum=1))
+
+    def _layer_cache(self, layer: int) -> KVCache:
+        return self.layers[_index(layer, "layer", self.num_layers)]
+
     def write(self, layer: int, key, value, slot_mapping) -> None:
         """Quantize key/value [T, Hk, d] into layer `layer` at `slot_mapping` (from reserve:
         checked once then, whatever the number of layers)."""
-        cache = self.layers[_index(layer, "layer", self.num_layers)]
+        cache = self._layer_cache(layer)
         given = slot_mapping
         known = self._step_slots.get(id(slot_mapping))
         if known is not None and known[0] is slot_mapping:
@@ -364,7 +376,7 @@ class PagedKVCache:
         Raises RuntimeError when tokens reserve() gave these sequences have not
         been written to this layer yet.
         """
-        cache = self.layers[_index(layer, "layer", self.num_layers)]
+        cache = self._layer_cache(layer)
         if not isinstance(seq_ids, (list, tuple, str, bytes)) and hasattr(seq_ids, "__iter__"):
             seq_ids = list(seq_ids)   # read twice below
         batch = self.plan(seq_ids, query_lens)

@@ -255,3 +255,79 @@ def test_a_decode_step_of_several_layers_replays_with_its_buffers_rewritten(torc
         for layer, (captured, eager) in enumerate(zip(*twins)):
             for a, b in zip(captured.tensors(), eager.tensors()):
                 assert a.cpu().numpy().tobytes() == b.cpu().numpy().tobytes(), f"step {step}, layer {layer}"
+
+
+@pytest.mark.parametrize("capture", ["torch", "cupy"])
+def test_a_paged_kv_cache_decode_step_replays_as_it_runs_eagerly(torch_cuda, capture):
+    """PagedKVCache.decode_step: a bucket of 4 rows captured once (every layer's write
+    and attention) and replayed for 3 steps whose batches change (3, 2, then 3
+    sequences, one taking a new page), the buffers rewritten by begin() between
+    replays. Each replay equals a twin manager's eager step, to the byte (the
+    sequences' outputs and every layer's cache)."""
+    torch = torch_cuda
+    rng = np.random.default_rng(5)
+    num_layers, max_batch, num_kv_heads, num_heads, head_size, block_size = 2, 4, 2, 8, 128, 16
+    context = 2 * block_size - 1
+    managers = [kc.PagedKVCache(num_layers, 12, block_size, num_kv_heads, head_size, device="cuda")
+                for _ in range(2)]
+    history = rng.standard_normal((num_layers, 3 * context, num_kv_heads, head_size)).astype(np.float16)
+    for manager in managers:
+        seq_ids = [manager.add_sequence() for _ in range(3)]
+        slot_mapping = manager.reserve(seq_ids, context)
+        for layer in range(num_layers):
+            rows = torch.from_numpy(history[layer]).cuda()
+            manager.write(layer, rows, rows, slot_mapping)
+    steps = [manager.decode_step(max_batch, max_seq_len=context + 3) for manager in managers]
+    keys = torch.zeros((num_layers, max_batch, num_kv_heads, head_size), dtype=torch.float16, device="cuda")
+    values = torch.zeros_like(keys)
+    queries = torch.zeros((num_layers, max_batch, num_heads, head_size), dtype=torch.float16, device="cuda")
+    outs = [torch.zeros_like(queries) for _ in steps]
+
+    def run_layers(step, out):
+        for layer in range(num_layers):
+            step.write(layer, keys[layer], values[layer])
+            step.attention(layer, queries[layer], out=out[layer])
+
+    def fill():
+        for buffer in (keys, values, queries):
+            buffer.copy_(torch.from_numpy(rng.standard_normal(tuple(buffer.shape)).astype(np.float16)))
+
+    batches = [[0, 1, 2], [0, 2], [0, 1, 2]]
+    for step in steps:
+        step.begin(batches[0])
+    fill()
+    if capture == "torch":
+        warmed(torch, lambda: run_layers(steps[0], outs[0]))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_layers(steps[0], outs[0])
+        replay = graph.replay
+    else:
+        run_layers(steps[0], outs[0])   # plans, compiles and uploads, before the capture
+        stream = cupy.cuda.Stream(non_blocking=True)
+        torch.cuda.synchronize()
+        with stream:
+            stream.begin_capture()
+            run_layers(steps[0], outs[0])
+            cupy_graph = stream.end_capture()
+
+        def replay():
+            torch.cuda.synchronize()
+            cupy_graph.launch(stream)
+            stream.synchronize()
+    # The capture wrote nothing: the twin catches up on the step as it ran eagerly.
+    run_layers(steps[1], outs[1])
+    for number, seq_ids in enumerate(batches):
+        if number:
+            for step in steps:
+                step.begin(seq_ids)
+            fill()
+            replay()
+            run_layers(steps[1], outs[1])
+        torch.cuda.synchronize()
+        rows = len(seq_ids)
+        assert outs[0][:, :rows].cpu().numpy().tobytes() == outs[1][:, :rows].cpu().numpy().tobytes(), number
+        assert not outs[0][:, :rows].isnan().any(), number
+        for layer, (captured, eager) in enumerate(zip(managers[0].layers, managers[1].layers)):
+            for a, b in zip(captured.tensors(), eager.tensors()):
+                assert cupy.asnumpy(a).tobytes() == cupy.asnumpy(b).tobytes(), (number, layer)
