@@ -283,10 +283,17 @@ def test_a_paged_kv_cache_decode_step_replays_as_it_runs_eagerly(torch_cuda, cap
     queries = torch.zeros((num_layers, max_batch, num_heads, head_size), dtype=torch.float16, device="cuda")
     outs = [torch.zeros_like(queries) for _ in steps]
 
+    # A call runs on its arrays' stream: torch's current one for torch tensors, CuPy's
+    # (the one capturing) for CuPy arrays: views of the same memory, made before the capture.
+    view = (lambda x: x) if capture == "torch" else cupy.from_dlpack
+    inputs = [view(x) for x in (keys, values, queries)]
+    outputs = [view(out) for out in outs]
+
     def run_layers(step, out):
+        out = outputs[0] if out is outs[0] else outputs[1]
         for layer in range(num_layers):
-            step.write(layer, keys[layer], values[layer])
-            step.attention(layer, queries[layer], out=out[layer])
+            step.write(layer, inputs[0][layer], inputs[1][layer])
+            step.attention(layer, inputs[2][layer], out=out[layer])
 
     def fill():
         for buffer in (keys, values, queries):
