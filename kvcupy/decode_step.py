@@ -90,6 +90,8 @@ class DecodeStep:
         nothing where a sequence would pass max_seq_len or the batch max_batch."""
         manager = self.manager
         seq_ids = manager._distinct_known(seq_ids)
+        if not seq_ids:
+            raise ValueError("seq_ids is empty; a step serves at least one sequence")
         if len(seq_ids) > self.max_batch:
             raise ValueError(f"seq_ids holds {len(seq_ids)} sequences; this step takes at most "
                              f"max_batch={self.max_batch}")

@@ -78,6 +78,8 @@ def test_bad_steps_raise_and_change_nothing():
     assert [manager.seq_len(s) for s in seq_ids] == [21, 20, 20]
     with pytest.raises(KeyError, match="seq_id=7"):
         step.begin([7])
+    with pytest.raises(ValueError, match="seq_ids is empty"):
+        step.begin([])
     with pytest.raises(ValueError, match=r"max_seq_len=10000 needs 625 pages of 16 tokens; the cache has 16"):
         manager.decode_step(max_batch=2, max_seq_len=10000)
     with pytest.raises(ValueError, match=r"max_batch=0 must be >= 1"):
