@@ -125,7 +125,7 @@ class DecodeStep:
         backend = backends.for_device(device)
         with interop.running_on(device, self.manager._stream):
             for name, array in host.items():
-                self._buffers[name][...] = backend.upload(array, device)
+                backend.upload_into(self._buffers[name], array)
 
     def write(self, layer: int, key, value) -> None:
         """Layer `layer`'s new K/V [max_batch, Hk, d] into its cache (rows past the

@@ -92,6 +92,9 @@ class Backend(Protocol):
     def upload(self, array, device) -> Any:
         """A host (NumPy) index array on `device`, as the backend's array."""
 
+    def upload_into(self, target, array) -> None:
+        """A host (NumPy) array into the existing device array `target`, in place."""
+
 
 class BackendUnavailable(RuntimeError):
     """The backend asked for cannot run here; the message says why."""

@@ -61,6 +61,10 @@ def upload(array: np.ndarray, device) -> np.ndarray:
     return array
 
 
+def upload_into(target: np.ndarray, array: np.ndarray) -> None:
+    target[...] = array
+
+
 class _CompileListener(event.Listener):
     """Numba's "numba:compile" events (a compile, never a load from its cache) of
     cpu_kernels' functions; report(name) for the outermost one only: the kernel a

@@ -19,7 +19,7 @@ machine without CuPy, where `availability()` says what is missing.
 """
 
 from .arrays import (availability, current_stream, device_context, device_kind, device_view, dlpack_stream, empty,
-                     import_dlpack, name, stream_context, synchronize, upload, zeros)
+                     import_dlpack, name, stream_context, synchronize, upload, upload_into, zeros)
 from .attention import paged_attention
 from .planner import plan_attention
 from .specs import specialisations
@@ -27,4 +27,4 @@ from .write import copy_blocks, reshape_and_cache, rotate
 
 __all__ = ["availability", "copy_blocks", "current_stream", "device_context", "device_kind", "device_view",
            "dlpack_stream", "empty", "import_dlpack", "name", "paged_attention", "plan_attention", "reshape_and_cache",
-           "rotate", "specialisations", "stream_context", "synchronize", "upload", "zeros"]
+           "rotate", "specialisations", "stream_context", "synchronize", "upload", "upload_into", "zeros"]

@@ -175,3 +175,9 @@ def upload(array: np.ndarray, device) -> cupy.ndarray:
     import cupy
     with cupy.cuda.Device(device.index):
         return cupy.asarray(array)
+
+
+def upload_into(target: cupy.ndarray, array: np.ndarray) -> None:
+    """Host `array` into the existing device array `target` (same shape and dtype), one
+    copy on the current stream: `target` keeps its address (a CUDA graph reads it)."""
+    target.set(np.ascontiguousarray(array, dtype=target.dtype))

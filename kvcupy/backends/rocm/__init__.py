@@ -15,10 +15,10 @@ machine without CuPy, where `availability()` says what is missing.
 """
 
 from .arrays import (availability, current_stream, device_context, device_kind, device_view, dlpack_stream, empty,
-                     import_dlpack, name, stream_context, synchronize, upload, zeros)
+                     import_dlpack, name, stream_context, synchronize, upload, upload_into, zeros)
 from .attention import paged_attention, plan_attention
 from .write import copy_blocks, reshape_and_cache, rotate
 
 __all__ = ["availability", "copy_blocks", "current_stream", "device_context", "device_kind", "device_view",
            "dlpack_stream", "empty", "import_dlpack", "name", "paged_attention", "plan_attention", "reshape_and_cache",
-           "rotate", "stream_context", "synchronize", "upload", "zeros"]
+           "rotate", "stream_context", "synchronize", "upload", "upload_into", "zeros"]

@@ -18,11 +18,11 @@ import os
 
 from ... import backends, jit
 from ..cuda.arrays import (current_stream, device_context, device_view, empty, import_dlpack, stream_context,
-                           synchronize, upload, zeros)
+                           synchronize, upload, upload_into, zeros)
 
 __all__ = ["CUPY_ROCM", "GFX_ARCHS", "availability", "current_stream", "device_context", "device_kind",
            "device_view", "dlpack_stream", "empty", "import_dlpack", "name", "stream_context", "synchronize",
-           "upload", "zeros"]
+           "upload", "upload_into", "zeros"]
 
 # The backend's name and device kind; batch.py's uploads key on `name` and call `upload`.
 name = "rocm"
