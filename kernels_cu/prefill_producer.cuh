@@ -1,10 +1,10 @@
 // The producer warpgroup's loops (the producer build, sm_90a): the last
 // warpgroup stages and decodes the tiles (produce; DIRECT builds copy 16-bit
 // rows straight into the products' layout: produce_direct) while the others,
-// the consumers (run()'s tile loop), only run the products and the softmax.
-// They are ordered by mbarriers instead of a block barrier a tile: per
-// decoded buffer, "full" (the producer's 128 threads have filled it) and
-// "empty" (every consumer thread is done with it).
+// the consumers (prefill_mainloop.cuh: consumers), only run the products and
+// the softmax. They are ordered by mbarriers instead of a block barrier a
+// tile: per decoded buffer, "full" (the producer's 128 threads have filled it)
+// and "empty" (every consumer thread is done with it).
 #pragma once
 
 #include "prefill_block.cuh"
@@ -14,14 +14,12 @@ namespace kvc_attn {
 
 template <class Ktraits>
 struct PrefillProducer : Ktraits {
-  using Ktraits::TILE;
   using Ktraits::STAGES;
   using Ktraits::DIRECT;
   using Ktraits::kStageBytes;
   using Ktraits::kDecodedOffset;
   using Ktraits::kDecodedBuffers;
   using Ktraits::kDecodedBufferBytes;
-  typedef typename Ktraits::Pages Pages;
   typedef PrefillBlock<Ktraits> Block;
   typedef PrefillStaging<Ktraits> Staging;
 
@@ -30,13 +28,11 @@ struct PrefillProducer : Ktraits {
   // are done with that buffer's previous tile. One barrier of the producer's
   // own a tile: every stager's copies of the tile have landed, and every
   // stager is done decoding tile - 1, whose raw stage is refilled next.
-  static __device__ __forceinline__ void produce(const Params& p, u8* smem, int kv_head, int key_lo, int key_hi,
-                                                 int block_shift, const int* table, int num_tiles,
-                                                 typename Pages::PageWindow& window, u8* full, u8* empty,
-                                                 int stager) {
+  static __device__ __forceinline__ void produce(const Params& p, u8* smem, typename Staging::Keys& keys, u8* full,
+                                                 u8* empty) {
     u8* const decoded = smem + kDecodedOffset;
     if constexpr (DIRECT) {
-      produce_direct(p, smem, kv_head, key_lo, key_hi, block_shift, table, num_tiles, window, full, empty, stager);
+      produce_direct(p, smem, keys, full, empty);
       return;
     }
     // Tile t's copies are the t-th group: the first STAGES went out before the
@@ -45,22 +41,18 @@ struct PrefillProducer : Ktraits {
     // committed at t = 0 and STAGES + t - 1 after: all but STAGES - 1, then
     // STAGES - 2, of them must have landed.
 #pragma unroll 1
-    for (int tile = 0; tile < num_tiles; ++tile) {
+    for (int tile = 0; tile < keys.num_tiles; ++tile) {
       if (tile == 0) cp_async_wait<STAGES - 1>();
       else cp_async_wait<STAGES - 2>();
       Block::producer_sync();
       if (tile >= 1) {
         const int next = tile - 1 + STAGES;
-        if (next < num_tiles) {
-          const int next_base = key_lo + next * TILE;
-          Pages::slide_window(window, p, table, next_base >> block_shift, key_lo, key_hi, block_shift);
-          Staging::stage_tile(p, smem, next % STAGES, kv_head, next_base, key_lo, key_hi, block_shift, window, stager);
-        }
+        if (next < keys.num_tiles) Staging::copy_tile(p, smem, keys, next, next % STAGES);
         cp_async_commit();
       }
       const int buffer = tile % kDecodedBuffers;
       if (tile >= kDecodedBuffers) mbarrier_wait(empty + 8 * buffer, (tile / kDecodedBuffers - 1) & 1);
-      Staging::decode_tile(smem + (tile % STAGES) * kStageBytes, decoded + buffer * kDecodedBufferBytes, stager);
+      Staging::decode_tile(smem + (tile % STAGES) * kStageBytes, decoded + buffer * kDecodedBufferBytes, keys.stager);
       mbarrier_arrive(full + 8 * buffer);
     }
     cp_async_wait<0>();
@@ -75,18 +67,14 @@ struct PrefillProducer : Ktraits {
   // async proxy (the wgmma operands) and arrives on that tile's "full" barrier.
   // Buffers t - STAGES .. t are in flight then, and the consumers hold two
   // more (a tile's scores, the tile before's output products): STAGES + 3.
-  static __device__ __forceinline__ void produce_direct(const Params& p, u8* smem, int kv_head, int key_lo,
-                                                        int key_hi, int block_shift, const int* table, int num_tiles,
-                                                        typename Pages::PageWindow& window, u8* full, u8* empty,
-                                                        int stager) {
+  static __device__ __forceinline__ void produce_direct(const Params& p, u8* smem, typename Staging::Keys& keys,
+                                                        u8* full, u8* empty) {
 #pragma unroll 1
-    for (int tile = STAGES; tile < num_tiles + STAGES; ++tile) {
-      if (tile < num_tiles) {
+    for (int tile = STAGES; tile < keys.num_tiles + STAGES; ++tile) {
+      if (tile < keys.num_tiles) {
         const int buffer = tile % kDecodedBuffers;
         if (tile >= kDecodedBuffers) mbarrier_wait(empty + 8 * buffer, (tile / kDecodedBuffers - 1) & 1);
-        const int base = key_lo + tile * TILE;
-        Pages::slide_window(window, p, table, base >> block_shift, key_lo, key_hi, block_shift);
-        Staging::stage_tile(p, smem, buffer, kv_head, base, key_lo, key_hi, block_shift, window, stager);
+        Staging::copy_tile(p, smem, keys, tile, buffer);
       }
       cp_async_commit();
       cp_async_wait<STAGES>();

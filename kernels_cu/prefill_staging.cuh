@@ -46,6 +46,24 @@ struct PrefillStaging : Ktraits {
   using Ktraits::decoded_at;
   typedef typename Ktraits::Pages Pages;
 
+  // The keys a block streams and who stages them: tiles of TILE keys from `lo`
+  // (key_lo), below `hi`, of KV head `head`, through a window over the
+  // sequence's `table`; num_tiles of them; `stager`: this thread's index
+  // among the stagers.
+  struct Keys {
+    const int* table;
+    int head, lo, hi, block_shift, num_tiles, stager;
+    typename Pages::PageWindow window;
+  };
+
+  // Tile `tile`'s copies into stage (DIRECT: decoded buffer) `stage`, the
+  // window first slid to its first page.
+  static __device__ __forceinline__ void copy_tile(const Params& p, u8* smem, Keys& keys, int tile, int stage) {
+    const int base = keys.lo + tile * TILE;
+    Pages::slide_window(keys.window, p, keys.table, base >> keys.block_shift, keys.lo, keys.hi, keys.block_shift);
+    stage_tile(p, smem, stage, keys.head, base, keys.lo, keys.hi, keys.block_shift, keys.window, keys.stager);
+  }
+
   // One stager's share of a tile where every token it copies takes the same
   // piece (byte `offset` of the row): tokens first, first + STEP, .. of the
   // tile, token first + i STEP's piece to at(keys, i, token) and at(values,
