@@ -66,9 +66,10 @@
 // "empty" (every consumer thread is done with it). Past the block's prologue
 // the producer gives KVC_PRODUCER_REGS of its registers' worth back
 // (setmaxnreg) so that the consumers run on 224; they take FlashAttention-3's
-// intra-warpgroup order (prefill_mainloop.cuh): a tile's output products run under the next
-// tile's softmax. Their score products take the query from registers (32 of
-// them at d = 128), so that shared memory serves the tensor cores only K and V.
+// intra-warpgroup order (prefill_mainloop.cuh): a tile's output products run
+// under the next tile's softmax. Their score products take the query from
+// registers (32 of them at d = 128), so that shared memory serves the tensor
+// cores only K and V.
 
 namespace kvc_attn {
 
@@ -85,30 +86,19 @@ struct Prefill : PrefillTraits<KV, HEAD_PAD, WARPS, TILE, STAGES, CHUNK, WGMMA, 
   typedef PrefillEpilogue<Ktraits> Epilogue;
   typedef typename Ktraits::Pages Pages;
   using Ktraits::KC;
-  using Ktraits::NT;
   using Ktraits::ND;
   using Ktraits::kThreads;
   using Ktraits::kConsumerWarps;
   using Ktraits::kConsumerThreads;
   using Ktraits::kStagers;
   using Ktraits::kRows;
-  using Ktraits::kQuantized;
-  using Ktraits::kDecoded;
-  using Ktraits::kUnitScales;
   using Ktraits::kSwizzled;
-  using Ktraits::kSwizzleBytes;
   using Ktraits::kRotated;
-  using Ktraits::kBf16;
-  using Ktraits::kSplitP;
   using Ktraits::kProbabilityLift;
   using Ktraits::kLog2e;
-  using Ktraits::kRawTensorBytes;
-  using Ktraits::kStageBytes;
   using Ktraits::kDecodedStride;
-  using Ktraits::kDecodedTensorBytes;
   using Ktraits::kDecodedBuffers;
   using Ktraits::kDecodedOffset;
-  using Ktraits::kDecodedBufferBytes;
   using Ktraits::kDecodedBytes;
   using Ktraits::kQueryBytes;
   using Ktraits::kWarpgroupQueryBytes;

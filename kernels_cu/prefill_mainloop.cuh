@@ -29,8 +29,6 @@ struct PrefillMainloop : Ktraits {
   using Ktraits::STAGES;
   using Ktraits::KC;
   using Ktraits::NT;
-  using Ktraits::WGMMA;
-  using Ktraits::PRODUCER;
   using Ktraits::kQuantized;
   using Ktraits::kDecoded;
   using Ktraits::kSplitP;
