@@ -12,6 +12,8 @@
 #   tools/gpu_check.sh [OUTPUT_DIR] [--quick | --tests K-L | --no-tests]
 #
 # --quick: the long-context error tests and the decode bench group only.
+# FLASHINFER_BUNDLE=PATH: a tarball from tools/flashinfer_bundle.py, unpacked for the
+#   step bench's FlashInfer rows (a machine without network access or nvcc).
 # The tests run verbose: a part stopped by its time limit still names its failures.
 # --tests K-L: only parts K to L of the GPU tests (of GPU_TEST_PARTS, default 24), nothing
 #   else: the whole suite takes longer than one command may run, so it goes as
@@ -66,7 +68,13 @@ python3 -m cli bench --backend cuda --json >"$results/bench.json" 2>"$results/be
 tail -5 "$results/bench.log"
 python3 tools/host_overhead.py --frameworks torch,cupy >"$results/host.json" 2>"$results/host.log" || status=1
 cat "$results/host.json"
-python3 -m cli bench --backend cuda --groups step --json >"$results/step.json" 2>"$results/step.log" || status=1
+step_path=$PYTHONPATH
+if [ -n "${FLASHINFER_BUNDLE:-}" ]; then
+    mkdir -p /tmp/kvcupy-flashinfer && tar -xJf "$FLASHINFER_BUNDLE" -C /tmp/kvcupy-flashinfer
+    step_path=/tmp/kvcupy-flashinfer:$PYTHONPATH
+fi
+PYTHONPATH=$step_path FLASHINFER_DISABLE_JIT=1 python3 -m cli bench --backend cuda --groups step --json \
+    >"$results/step.json" 2>"$results/step.log" || status=1
 tail -3 "$results/step.log"
 # Llama-3-8B's geometry, 4 layers of random weights; each batch and prompt length in
 # its own process (needs transformers, and hqq / optimum-quanto for those rows).
