@@ -1,12 +1,12 @@
-// Online softmax over a block's score tiles, FlashAttention-style, a tile at
-// a time: its scores capped, masked and in "row units" with each row's maxima
-// (row_unit_scores), and its P operand with each row's sums
-// (probabilities). Each row's query was scaled by a power of two (the query
-// operand, prefill_query.cuh), undone by row_unscale; the output
-// accumulators hold sum p x V scale / R, R the largest V scale seen so far,
-// so that the P operand stays in [0, 1] whatever the scales. PrefillRows
-// keeps a warp's running maxima, sums, R and accumulators between tiles, and
-// folds each tile in (softmax_tile, rescale_out) for the mainloops.
+// Online softmax over a block's score tiles, FlashAttention-style, a tile at a
+// time: its scores capped, masked and in "row units" with each row's maxima
+// (row_unit_scores), and its P operand with each row's sums (probabilities).
+// Each row's query was scaled by a power of two (the query operand:
+// prefill.cuh's run(), or direct_query), undone by row_unscale; the output
+// accumulators hold sum p x V scale / R, R the largest V scale seen so far, so
+// that the P operand stays in [0, 1] whatever the scales. PrefillRows keeps a
+// warp's running maxima, sums, R and accumulators between tiles, and folds each
+// tile in (softmax_tile, rescale_out) for the mainloops.
 #pragma once
 
 #include "prefill_traits.cuh"
