@@ -119,7 +119,6 @@ struct PrefillMainloop : Ktraits {
   // products, waited for by the next tile's wait (or after the loop).
   static __device__ __forceinline__ void wgmma(const Params& p, u8* smem, Keys& keys, Rows& rows,
                                                const u8* query_rows) {
-    const u32 no_fragments[1][4] = {};
     decode_first(smem, keys);
     for (int tile = 0; tile < keys.num_tiles; ++tile) {
       next_copies(p, smem, keys, tile);
@@ -128,7 +127,7 @@ struct PrefillMainloop : Ktraits {
       const Operands tile_operands = operands(tile_buffer(smem, tile));
       float score[NT][4];
       zero(score);
-      if (!unseen) Products::wgmma_scores(score, tile_operands.keys, query_rows, no_fragments);
+      if (!unseen) Products::wgmma_scores(score, tile_operands.keys, query_rows);
       if (tile + 1 < keys.num_tiles)
         Staging::decode_tile(smem + ((tile + 1) % STAGES) * kStageBytes, tile_buffer(smem, tile + 1),
                              keys.stager);
@@ -161,7 +160,7 @@ struct PrefillMainloop : Ktraits {
       const Operands tile_operands = operands(tile_buffer(smem, tile));
       float score[NT][4];
       zero(score);
-      Products::wgmma_scores(score, tile_operands.keys, nullptr, query_fragments);
+      Products::wgmma_scores(score, tile_operands.keys, query_fragments);
       if (tile > 0) Products::wgmma_values(rows.out, p_previous, previous_values);
       kvc_wgmma::commit();    // (empty at tile 0: complete at once)
       kvc_wgmma::wait<1>();   // the scores; the output products run on

@@ -22,7 +22,6 @@ struct PrefillProducts : Ktraits {
   using Ktraits::KC;
   using Ktraits::NT;
   using Ktraits::ND;
-  using Ktraits::PRODUCER;
   using Ktraits::kBf16;
   using Ktraits::kSplitP;
   using Ktraits::kSwizzled;
@@ -85,31 +84,40 @@ struct PrefillProducts : Ktraits {
     }
   }
 
-  // wgmma: a tile's score products, issued and committed. The decoded keys'
-  // descriptor: k step kc is dims 16 kc.., 256 bytes on (a descriptor counts
-  // 16-byte units); swizzled, 32 bytes within a column of kSwizzleBytes / 2
-  // dims (swizzled_offset), kKeySteps k steps a column. The query: the
-  // warpgroup's rows in shared memory as core matrices (query_rows), or in the
-  // producer build the warp's A fragments in registers (query_fragments).
-  static __device__ __forceinline__ void wgmma_scores(float (&score)[NT][4], const u8* keys, const u8* query_rows,
-                                                      const u32 (&query_fragments)[PRODUCER ? KC : 1][4]) {
+  // wgmma: the decoded keys' descriptor. k step kc is dims 16 kc.., 256 bytes
+  // on (a descriptor counts 16-byte units); swizzled, 32 bytes within a column
+  // of kSwizzleBytes / 2 dims (swizzled_offset), kKeySteps k steps a column.
+  static constexpr int kKeySteps = kSwizzled ? kSwizzleBytes / 32 : 1;
+  static __device__ __forceinline__ kvc_wgmma::u64 key_operand(const u8* keys) {
+    return kSwizzled ? kvc_wgmma::descriptor<kSwizzleBytes>(keys, 16, 8 * kSwizzleBytes)
+                     : kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
+  }
+
+  // wgmma: a tile's score products, issued and committed, the query the
+  // warpgroup's rows in shared memory as core matrices (the wgmma build).
+  static __device__ __forceinline__ void wgmma_scores(float (&score)[NT][4], const u8* keys, const u8* query_rows) {
     kvc_wgmma::hold(score);
     kvc_wgmma::fence();
-    constexpr int kKeySteps = kSwizzled ? kSwizzleBytes / 32 : 1;
-    const kvc_wgmma::u64 key_operand = kSwizzled ? kvc_wgmma::descriptor<kSwizzleBytes>(keys, 16, 8 * kSwizzleBytes)
-                                                 : kvc_wgmma::descriptor(keys, 128, 16 * HEAD_PAD);
-    if constexpr (PRODUCER) {
+    const kvc_wgmma::u64 keys_at = key_operand(keys);
+    const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
 #pragma unroll
-      for (int kc = 0; kc < KC; ++kc)
-        kvc_wgmma::Products<TILE, kBf16>::rs_k(
-            score, query_fragments[kc],
-            key_operand + (kSwizzled ? (kc / kKeySteps * TILE * kSwizzleBytes + kc % kKeySteps * 32) / 16 : 16 * kc));
-    } else {
-      const kvc_wgmma::u64 query_operand = kvc_wgmma::descriptor(query_rows, 128, 16 * HEAD_PAD);
+    for (int kc = 0; kc < KC; ++kc)
+      kvc_wgmma::Products<TILE, kBf16>::ss(score, query_operand + 16 * kc, keys_at + 16 * kc);
+    kvc_wgmma::commit();
+  }
+
+  // The same, the query the warp's A fragments in registers (the producer
+  // build's consumers: shared memory then serves only K and V).
+  static __device__ __forceinline__ void wgmma_scores(float (&score)[NT][4], const u8* keys,
+                                                      const u32 (&query_fragments)[KC][4]) {
+    kvc_wgmma::hold(score);
+    kvc_wgmma::fence();
+    const kvc_wgmma::u64 keys_at = key_operand(keys);
 #pragma unroll
-      for (int kc = 0; kc < KC; ++kc)
-        kvc_wgmma::Products<TILE, kBf16>::ss(score, query_operand + 16 * kc, key_operand + 16 * kc);
-    }
+    for (int kc = 0; kc < KC; ++kc)
+      kvc_wgmma::Products<TILE, kBf16>::rs_k(
+          score, query_fragments[kc],
+          keys_at + (kSwizzled ? (kc / kKeySteps * TILE * kSwizzleBytes + kc % kKeySteps * 32) / 16 : 16 * kc));
     kvc_wgmma::commit();
   }
 
