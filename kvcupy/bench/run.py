@@ -248,6 +248,13 @@ def _time_cases(group: Group, cases: tuple[Case, ...], config: BenchConfig, runn
     ready: dict[Case, _Ready] = {}
     untimed: dict[Case, dict] = {}
     step = group.kind == "step"
+
+    def failed(case: Case, error: Exception) -> dict:
+        # Said at once as well: a fault that breaks the CUDA context ends the run at the
+        # group's closing synchronisation, before the report names the case.
+        status(f"{group.label}: {case.name}: failed: {_error_text(error)}")
+        return untimed_record(group, case, model_dtype, "failed", _error_text(error))
+
     try:
         status(f"{group.label}: setting up {len(cases)} cases")
         for case in cases:
@@ -263,7 +270,7 @@ def _time_cases(group: Group, cases: tuple[Case, ...], config: BenchConfig, runn
                 untimed[case] = untimed_record(group, case, model_dtype, "skipped", str(skipped))
                 continue
             except Exception as error:   # one case's failure (out of memory, a kernel error) ends only it
-                untimed[case] = untimed_record(group, case, model_dtype, "failed", _error_text(error))
+                untimed[case] = failed(case, error)
                 continue
             count = case_repeats(config.repeats[REPEATS_KIND.get(group.kind, group.kind)], estimate_ms)
             ready[case] = _Ready(calls, info, sets, host_ms, split_repeats(count, config.rounds))
@@ -277,7 +284,7 @@ def _time_cases(group: Group, cases: tuple[Case, ...], config: BenchConfig, runn
                         else:
                             timing = runner.time(entry.calls, entry.per_round[round_index], entry.host_ms)
                     except Exception as error:
-                        untimed[case] = untimed_record(group, case, model_dtype, "failed", _error_text(error))
+                        untimed[case] = failed(case, error)
                     else:
                         entry.ms += timing.ms
                         entry.idle_ms += timing.idle_ms

@@ -331,7 +331,8 @@ class FakeStepRunner:
 def step_run() -> tuple[dict, FakeStepRunner, bench_run.BenchConfig]:
     config = step_config(False, repeats=4, rounds=2)
     fake, steps = FakeStepRunner(), []
-    report = bench_run.run_bench(config, fake, steps.append, lambda text: None)
+    fake.status_lines = []
+    report = bench_run.run_bench(config, fake, steps.append, fake.status_lines.append)
     assert len(steps) == bench_run.total_steps(config)
     return report, fake, config
 
@@ -402,6 +403,15 @@ def test_flashinfer_and_failures_are_recorded_not_raised(step_run):
     fp8 = record_of(group, "kvcupy fp8 graphed")
     assert fp8["status"] == "failed" and fp8["reason"] == "RuntimeError: an illegal memory access was encountered"
     assert record_of(group, "kvcupy int4 graphed")["status"] == "ok"
+
+
+def test_a_failing_case_is_named_on_the_status_line_as_it_fails(step_run):
+    report, fake, _ = step_run
+    group = step_group(report, StepShape.of(PHI_3_MINI, 8, 8192))
+    said = [line for line in fake.status_lines if line.startswith(group["label"] + ": ") and ": failed: " in line]
+    failed = [f"{group['label']}: {r['name']}: failed: {r['reason']}" for r in group["cases"] if r["status"] == "failed"]
+    assert said == failed and f"{group['label']}: kvcupy fp8 graphed: failed: " \
+        "RuntimeError: an illegal memory access was encountered" in said
 
 
 def test_each_storage_is_built_timed_and_freed_before_the_next(step_run):
