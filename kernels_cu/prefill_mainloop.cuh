@@ -59,6 +59,7 @@ struct PrefillMainloop : Ktraits {
     return Operands{buffer, values, key_scales, key_scales + TILE};
   }
 
+  // A score tile's accumulators cleared (the products add into them).
   static __device__ __forceinline__ void zero(float (&score)[NT][4]) {
 #pragma unroll
     for (int n = 0; n < NT; ++n)
@@ -66,7 +67,8 @@ struct PrefillMainloop : Ktraits {
       for (int i = 0; i < 4; ++i) score[n][i] = 0.f;
   }
 
-  // Quantized caches: tile 0's copies landed and decoded before the loop.
+  // Decoded builds (quantized caches; every wgmma build): tile 0's copies
+  // landed and decoded before the loop.
   static __device__ __forceinline__ void decode_first(u8* smem, const Keys& keys) {
     if (kDecoded && keys.num_tiles > 0) {
       cp_async_wait<STAGES - 1>();
