@@ -68,12 +68,13 @@ python3 -m cli bench --backend cuda --json >"$results/bench.json" 2>"$results/be
 tail -5 "$results/bench.log"
 python3 tools/host_overhead.py --frameworks torch,cupy >"$results/host.json" 2>"$results/host.log" || status=1
 cat "$results/host.json"
-step_path=$PYTHONPATH
+step_env=()
 if [ -n "${FLASHINFER_BUNDLE:-}" ]; then
+    # The bundle's modules only: a missing one fails by name instead of compiling.
     mkdir -p /tmp/kvcupy-flashinfer && tar -xJf "$FLASHINFER_BUNDLE" -C /tmp/kvcupy-flashinfer
-    step_path=/tmp/kvcupy-flashinfer:$PYTHONPATH
+    step_env=(PYTHONPATH="/tmp/kvcupy-flashinfer:$PYTHONPATH" FLASHINFER_DISABLE_JIT=1)
 fi
-PYTHONPATH=$step_path FLASHINFER_DISABLE_JIT=1 python3 -m cli bench --backend cuda --groups step --json \
+env "${step_env[@]}" python3 -m cli bench --backend cuda --groups step --json \
     >"$results/step.json" 2>"$results/step.log" || status=1
 tail -3 "$results/step.log"
 # Llama-3-8B's geometry, 4 layers of random weights; each batch and prompt length in

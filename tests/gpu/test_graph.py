@@ -289,8 +289,8 @@ def test_a_paged_kv_cache_decode_step_replays_as_it_runs_eagerly(torch_cuda, cap
     inputs = [view(x) for x in (keys, values, queries)]
     outputs = [view(out) for out in outs]
 
-    def run_layers(step, out):
-        out = outputs[0] if out is outs[0] else outputs[1]
+    def run_layers(twin):
+        step, out = steps[twin], outputs[twin]   # twin 0 is captured, twin 1 runs eagerly
         for layer in range(num_layers):
             step.write(layer, inputs[0][layer], inputs[1][layer])
             step.attention(layer, inputs[2][layer], out=out[layer])
@@ -304,18 +304,18 @@ def test_a_paged_kv_cache_decode_step_replays_as_it_runs_eagerly(torch_cuda, cap
         step.begin(batches[0])
     fill()
     if capture == "torch":
-        warmed(torch, lambda: run_layers(steps[0], outs[0]))
+        warmed(torch, lambda: run_layers(0))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            run_layers(steps[0], outs[0])
+            run_layers(0)
         replay = graph.replay
     else:
-        run_layers(steps[0], outs[0])   # plans, compiles and uploads, before the capture
+        run_layers(0)   # plans, compiles and uploads, before the capture
         stream = cupy.cuda.Stream(non_blocking=True)
         torch.cuda.synchronize()
         with stream:
             stream.begin_capture()
-            run_layers(steps[0], outs[0])
+            run_layers(0)
             cupy_graph = stream.end_capture()
 
         def replay():
@@ -323,14 +323,14 @@ def test_a_paged_kv_cache_decode_step_replays_as_it_runs_eagerly(torch_cuda, cap
             cupy_graph.launch(stream)
             stream.synchronize()
     # The capture wrote nothing: the twin catches up on the step as it ran eagerly.
-    run_layers(steps[1], outs[1])
+    run_layers(1)
     for number, seq_ids in enumerate(batches):
         if number:
             for step in steps:
                 step.begin(seq_ids)
             fill()
             replay()
-            run_layers(steps[1], outs[1])
+            run_layers(1)
         torch.cuda.synchronize()
         rows = len(seq_ids)
         assert outs[0][:, :rows].cpu().numpy().tobytes() == outs[1][:, :rows].cpu().numpy().tobytes(), number
