@@ -79,6 +79,23 @@ class _Storage:
     sets: list[_InputSet]
 
 
+@dataclass
+class _GraphedStep:
+    """A step call: before_replay, then one replay of graph. It holds body, what graph
+    captured: a graph keeps only the memory allocated while it was captured, not the
+    buffers body reads (plans, workspaces, block tables), which would otherwise be freed
+    and reused under it."""
+
+    graph: Any
+    body: Callable[[], None]
+    before_replay: Callable[[], None] | None = None
+
+    def __call__(self) -> None:
+        if self.before_replay is not None:
+            self.before_replay()
+        self.graph.replay()
+
+
 class StepBuilder:
     """Builds the step cases on the current CUDA device; the caches of one
     implementation and KV dtype (shapes.step_storage) are made by its first case
@@ -192,7 +209,7 @@ class StepBuilder:
 
     # The step calls.
 
-    def _graph(self, body: Callable[[], None]):
+    def _graph(self, body: Callable[[], None], before_replay: Callable[[], None] | None = None) -> _GraphedStep:
         """body captured in a torch CUDA graph, after warm-up steps on a side stream."""
         torch = self.torch
         side = torch.cuda.Stream()
@@ -204,7 +221,7 @@ class StepBuilder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             body()
-        return graph
+        return _GraphedStep(graph, body, before_replay)
 
     def _kvcupy(self, shape: StepShape, case: Case, sets: list[_InputSet], meta: StepMetadata) -> tuple[list, dict]:
         torch, layers = self.torch, shape.num_layers
@@ -233,14 +250,12 @@ class StepBuilder:
         batch = kvcupy.plan_batch(block_table=table, seq_lens=lens, block_size=BLOCK_SIZE, num_blocks=meta.num_blocks,
                                   num_query_tokens=shape.num_seqs, max_query_len=1, max_seq_len=shape.seq_len)
         slots = kvcupy.plan_slots(slot_ids, num_slots=num_slots)
-        graphs = [self._graph(functools.partial(layers_of, data, batch, slots)) for data in sets]
 
-        def replay(graph) -> None:
+        def refill() -> None:
             lens.copy_(lens_source, non_blocking=True)
             slot_ids.copy_(slots_source, non_blocking=True)
-            graph.replay()
 
-        return ([functools.partial(replay, graph) for graph in graphs],
+        return ([self._graph(functools.partial(layers_of, data, batch, slots), refill) for data in sets],
                 {"metadata": "on the device, lengths and slot ids copied in before each replay"})
 
     def _dense(self, shape: StepShape, case: Case, sets: list[_InputSet]) -> tuple[list, dict]:
@@ -266,13 +281,11 @@ class StepBuilder:
         info = {"gqa": "folded into the query length"}
         if not case.graphed:
             return [functools.partial(step, data) for data in sets], info
-        graphs = [self._graph(functools.partial(step, data)) for data in sets]
 
-        def replay(graph) -> None:
+        def refill() -> None:
             position.copy_(position_source, non_blocking=True)
-            graph.replay()
 
-        return [functools.partial(replay, graph) for graph in graphs], info
+        return [self._graph(functools.partial(step, data), refill) for data in sets], info
 
     def _flashinfer(self):
         try:
@@ -318,4 +331,4 @@ class StepBuilder:
 
             return [functools.partial(eager_step, data) for data in sets], info
         plan()
-        return [self._graph(functools.partial(layers_of, data)).replay for data in sets], info
+        return [self._graph(functools.partial(layers_of, data)) for data in sets], info

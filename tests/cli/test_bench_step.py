@@ -447,6 +447,74 @@ def test_a_storages_cases_share_its_input_sets():
     assert asked[(config.groups[0].label, ("kvcupy", "int4_per_token_head"))] == {6}
 
 
+class _FakeGraphTorch:
+    """torch's graph capture as StepBuilder._graph uses it, recording the order of events."""
+
+    def __init__(self, events: list):
+
+        class Graph:
+            def replay(self):
+                events.append("replay")
+
+        class Context:
+            def __init__(self, *args):
+                pass
+
+            def __enter__(self):
+                events.append("capture")
+
+            def __exit__(self, *exc):
+                return False
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        class Cuda:
+            CUDAGraph = Graph
+            graph = stream = Context
+
+            @staticmethod
+            def current_stream():
+                return Stream()
+
+        Cuda.Stream = Stream
+        self.cuda = Cuda
+
+
+def test_a_graphed_step_holds_what_its_graph_reads():
+    """A CUDA graph keeps only what it allocated while capturing; the buffers its body
+    reads (a FlashInfer wrapper's workspace, a plan's tile lists) live as long as the
+    step call does, or replays read memory that was freed and reused."""
+    import gc
+    import weakref
+
+    events = []
+
+    class Workspace:
+        pass
+
+    def graphed_call():
+        workspace = Workspace()
+
+        def body():
+            events.append(("body", workspace))
+
+        builder = bench_step.StepBuilder(_FakeGraphTorch(events), None, BF16, H200_MEMORY, H200_L2)
+        return builder._graph(body, lambda: events.append("refill")), weakref.ref(workspace)
+
+    call, workspace = graphed_call()
+    gc.collect()
+    assert workspace() is not None
+    events.clear()
+    call()
+    assert events == ["refill", "replay"]
+    del call
+    events.clear()
+    gc.collect()
+    assert workspace() is None
+
+
 # --- targets -------------------------------------------------------------------------
 
 def test_step_targets_are_judged_from_the_step_records(step_run):
