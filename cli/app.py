@@ -243,6 +243,9 @@ def bench(
                                      "with the measured copy line, prefill TFLOP/s against prompt "
                                      "length and the step group's tokens/s against batch, to this PNG "
                                      "(needs matplotlib: pip install 'kvcupy[plot]')."),
+    time_limit: str | None = int_option(None, minimum=1, help="CUDA only: seconds after which no further "
+                                        "group starts; the report lists the groups left out, so a run "
+                                        "cut short still reports what it timed."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Time paged decode and prefill for each KV dtype against NumPy dense attention.
@@ -266,7 +269,7 @@ def bench(
             raise typer.BadParameter("only with --backend cpu (this run uses cuda)", param_hint="'--threads'")
         _bench_cuda(ctx, kv_dtype, phase, groups, quick, plot, as_json)
         return
-    cuda_only = _given_options(ctx, "groups", "plot")
+    cuda_only = _given_options(ctx, "groups", "plot", "time_limit")
     if cuda_only:
         raise typer.BadParameter(f"only with --backend cuda (this run uses {device})",
                                  param_hint=" / ".join(cuda_only))
@@ -294,7 +297,8 @@ def _bench_cuda(ctx: typer.Context, kv_dtype: KvDtype, phase: Phase, groups: str
     counts = {name: ctx.params[name] for name in ("repeats", "prefill_repeats", "rounds", "warmup")
               if _given_options(ctx, name)}
     try:
-        config = bench_cuda.make_config(phase.value, groups, _kv_dtypes(kv_dtype), quick, **counts)
+        config = bench_cuda.make_config(phase.value, groups, _kv_dtypes(kv_dtype), quick, **counts,
+                                        time_limit_s=ctx.params["time_limit"])
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="'--groups'") from None
     if plot is not None:   # before the run, not after it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -54,6 +55,7 @@ class BenchConfig:
     warmup: int
     sweep: dict                # the sweep's geometry, for the report and the plot
     prefill_sweep: dict        # the prefill sweep's, likewise
+    time_limit_s: float | None = None   # no group starts after this long; the report names those left
 
 
 def parse_groups(text: str) -> tuple[str, ...]:
@@ -67,7 +69,8 @@ def parse_groups(text: str) -> tuple[str, ...]:
 
 def make_config(phase: str, groups: str | None, kv_dtypes: tuple[str, ...], quick: bool, *,
                 repeats: int | None = None, prefill_repeats: int | None = None,
-                rounds: int | None = None, warmup: int | None = None) -> BenchConfig:
+                rounds: int | None = None, warmup: int | None = None,
+                time_limit_s: float | None = None) -> BenchConfig:
     """The run the CLI asked for. Counts left None take the CUDA defaults;
     `groups` (GROUP_KINDS, comma-separated) overrides the phase's groups."""
     kinds = parse_groups(groups) if groups is not None else KINDS_OF_PHASE[phase]
@@ -87,7 +90,7 @@ def make_config(phase: str, groups: str | None, kv_dtypes: tuple[str, ...], quic
                      "kv_dtypes": list(sweep_kv_dtypes(kv_dtypes))}
     return BenchConfig(plan_groups(kinds, kv_dtypes, sizes), counts,
                        DEFAULT_ROUNDS if rounds is None else rounds,
-                       DEFAULT_WARMUP if warmup is None else warmup, sweep, prefill_sweep)
+                       DEFAULT_WARMUP if warmup is None else warmup, sweep, prefill_sweep, time_limit_s)
 
 
 def total_steps(config: BenchConfig) -> int:
@@ -323,8 +326,19 @@ def run_group(group: Group, config: BenchConfig, runner: Runner, progress: Progr
     return result
 
 
-def run_bench(config: BenchConfig, runner: Runner, progress: Progress, status: Progress) -> dict:
-    groups = [run_group(group, config, runner, progress, status) for group in config.groups]
+def run_bench(config: BenchConfig, runner: Runner, progress: Progress, status: Progress,
+              clock: Callable[[], float] = time.monotonic) -> dict:
+    """Every group of config in order; with a time limit, the groups due after it are
+    left out and listed under "not_run", so a long run cut short still reports."""
+    start = clock()
+    groups, not_run = [], []
+    for group in config.groups:
+        if config.time_limit_s is not None and clock() - start >= config.time_limit_s:
+            not_run.append(group.label)
+            continue
+        groups.append(run_group(group, config, runner, progress, status))
+    if not_run:
+        status(f"time limit of {config.time_limit_s:g} s reached: {len(not_run)} groups not run")
     return {"backend": "cuda", **runner.describe(), "model_dtype": runner.model_dtype.name,
             "block_size": BLOCK_SIZE,
             "timing": {"clock": "cuda events", "statistic": "median", "warmup": config.warmup,
@@ -332,4 +346,6 @@ def run_bench(config: BenchConfig, runner: Runner, progress: Progress, status: P
                        "queued_behind_hold": True, "l2_rotate_factor": L2_ROTATE_FACTOR,
                        "case_budget_s": CASE_BUDGET_S},
             "sweep": config.sweep, "prefill_sweep": config.prefill_sweep, "groups": groups,
-            "targets": evaluate_targets(groups)}
+            "targets": evaluate_targets(groups),
+            **({"not_run": {"reason": f"the time limit of {config.time_limit_s:g} s was reached",
+                            "groups": not_run}} if not_run else {})}

@@ -109,4 +109,7 @@ def tables(report: dict) -> RichGroup:
             targets.add_row(target["target"], _number(target["measured"], ".2f"), f"{target['bound']:.2f}",
                             verdicts[target["met"]])
         parts.append(targets)
+    if "not_run" in report:
+        left = report["not_run"]
+        parts.append(f"Not run ({left['reason']}): " + "; ".join(left["groups"]))
     return RichGroup(*parts)

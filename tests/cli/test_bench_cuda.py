@@ -10,6 +10,8 @@ the hold kernel holds, and `--quick` runs end to end.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import io
 import json
@@ -559,6 +561,7 @@ def test_bench_refuses_cuda_where_it_cannot_run():
     (["--plot", "out.png"], "'--plot'"),
     (["--groups", "write"], "'--groups'"),
     (["--groups", "write", "--plot", "x.png"], "'--groups' / '--plot'"),
+    (["--time-limit", "60"], "'--time-limit'"),
 ])
 def test_cuda_only_options_are_refused_on_the_cpu(args, options):
     result = runner.invoke(app, ["bench", "--backend", "cpu", *args])
@@ -603,6 +606,31 @@ def test_cli_passes_counts_the_user_gave(fake_cuda):
     assert {g["kind"] for g in report["groups"]} == {"decode"}
     assert report["timing"]["repeats"]["decode"] == 3 and report["timing"]["rounds"] == 1
     assert report["timing"]["repeats"]["prefill"] == bench_run.DEFAULT_REPEATS["prefill"]
+
+
+def test_a_time_limit_leaves_later_groups_out_and_names_them():
+    """No group starts once the limit has passed; those left are listed, and the
+    groups timed before it are reported as usual."""
+    config = bench_run.make_config("all", "write,rotate", KV_DTYPES, True, rounds=1, time_limit_s=10)
+    ticks = iter([0.0, 0.0, 9.0, 10.0])   # the start, then before each of the three groups
+    said = []
+    report = bench_run.run_bench(config, FakeRunner(), lambda text: None, said.append, clock=lambda: next(ticks))
+    labels = [group.label for group in config.groups]
+    assert [group["label"] for group in report["groups"]] == labels[:2]
+    assert report["not_run"] == {"reason": "the time limit of 10 s was reached", "groups": labels[2:]}
+    assert said[-1] == "time limit of 10 s reached: 1 groups not run"
+    assert "not_run" not in bench_run.run_bench(dataclasses.replace(config, time_limit_s=None), FakeRunner(),
+                                                lambda text: None, lambda text: None)
+
+
+def test_cli_time_limit_reaches_the_run_and_the_tables(fake_cuda, monkeypatch):
+    clock = iter([0.0, 0.0, 5.0, 5.0]).__next__   # the start, then before the write and the two rotates
+    monkeypatch.setattr(bench_cuda, "run_bench", functools.partial(bench_run.run_bench, clock=clock))
+    result = runner.invoke(app, ["bench", "--backend", "cuda", "--quick", "--groups", "write,rotate",
+                                 "--time-limit", "5"])
+    assert result.exit_code == 0, result.output
+    assert ("Not run (the time limit of 5 s was reached): rotate 16384 vectors, d = 64; rotate 16384 vectors, "
+            "d = 96") in plain_text(result.stdout)
 
 
 def test_cli_tables_without_json(fake_cuda):
