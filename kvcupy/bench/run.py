@@ -244,6 +244,15 @@ def add_step_ratios(shape: StepShape, records: list[dict]) -> None:
             record["write_share"] = 1 - bare["median_ms"] / record["median_ms"] if bare else None
 
 
+def _set_up(group: Group, case: Case, sets: int, config: BenchConfig, runner: Runner) -> _Ready:
+    """A case built and warmed up. Its calls are held by the _Ready alone (no caller's
+    local): clearing them frees the case's arrays before the next storage allocates."""
+    calls, info = runner.build(group, case, sets)
+    estimate_ms, host_ms = runner.warm_up(calls, config.warmup)
+    count = case_repeats(config.repeats[REPEATS_KIND.get(group.kind, group.kind)], estimate_ms)
+    return _Ready(calls, info, sets, host_ms, split_repeats(count, config.rounds))
+
+
 def _time_cases(group: Group, cases: tuple[Case, ...], config: BenchConfig, runner: Runner,
                 progress: Progress, status: Progress) -> dict[Case, dict]:
     """Set up the cases, time them in interleaved rounds, free them; a record each."""
@@ -267,16 +276,11 @@ def _time_cases(group: Group, cases: tuple[Case, ...], config: BenchConfig, runn
             sized = dataclasses.replace(case, writes=True) if step else case
             sets = input_sets(case_bytes(group, sized, model_dtype), runner.l2_bytes)
             try:
-                calls, info = runner.build(group, case, sets)
-                estimate_ms, host_ms = runner.warm_up(calls, config.warmup)
+                ready[case] = _set_up(group, case, sets, config, runner)
             except PeerSkipped as skipped:
                 untimed[case] = untimed_record(group, case, model_dtype, "skipped", str(skipped))
-                continue
             except Exception as error:   # one case's failure (out of memory, a kernel error) ends only it
                 untimed[case] = failed(case, error)
-                continue
-            count = case_repeats(config.repeats[REPEATS_KIND.get(group.kind, group.kind)], estimate_ms)
-            ready[case] = _Ready(calls, info, sets, host_ms, split_repeats(count, config.rounds))
         for round_index in range(config.rounds):
             for case in cases:
                 entry = ready.get(case)

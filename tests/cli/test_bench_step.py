@@ -447,6 +447,38 @@ def test_a_storages_cases_share_its_input_sets():
     assert asked[(config.groups[0].label, ("kvcupy", "int4_per_token_head"))] == {6}
 
 
+def test_a_storages_arrays_are_unreferenced_when_it_ends():
+    """When a storage's batch ends (runner.end_group frees the memory pools), nothing
+    the bench keeps still refers to what its cases' calls hold: a whole model's caches
+    left alive fill the GPU for the next storage."""
+    import gc
+    import weakref
+
+    class Arrays:
+        pass
+
+    class HoldingRunner(FakeStepRunner):
+        def __init__(self):
+            super().__init__()
+            self.held, self.alive_at_end = [], []
+
+        def build(self, group, case, sets):
+            calls, info = super().build(group, case, sets)
+            arrays = Arrays()
+            self.held.append(weakref.ref(arrays))
+            return [lambda arrays=arrays, call=call: (arrays, call())[1] for call in calls], info
+
+        def end_group(self):
+            gc.collect()
+            self.alive_at_end.append(sum(ref() is not None for ref in self.held))
+            super().end_group()
+
+    fake = HoldingRunner()
+    config = bench_run.make_config("all", "step", ("int4_per_token_head",), True, repeats=2, rounds=1)
+    bench_run.run_bench(config, fake, lambda text: None, lambda text: None)
+    assert fake.held and fake.alive_at_end and set(fake.alive_at_end) == {0}
+
+
 class _FakeGraphTorch:
     """torch's graph capture as StepBuilder._graph uses it, recording the order of events."""
 
