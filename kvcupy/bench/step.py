@@ -302,8 +302,8 @@ class StepBuilder:
         indptr = torch.arange(S + 1, dtype=torch.int32, device="cuda") * pages
         indices = torch.from_numpy(meta.block_table.ravel()).cuda()
         last_page_len = torch.full((S,), (shape.seq_len - 1) % BLOCK_SIZE + 1, dtype=torch.int32, device="cuda")
-        batch_indices = torch.arange(S, dtype=torch.int32, device="cuda")
-        positions = torch.full((S,), shape.seq_len - 1, dtype=torch.int32, device="cuda")
+        write, writer = self._flashinfer_writer(flashinfer, shape, kv_type, meta, (indices, indptr, last_page_len),
+                                                sets[0])
         workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
         buffers = dict(paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
                        paged_kv_last_page_len_buffer=last_page_len) if case.graphed else {}
@@ -318,12 +318,10 @@ class StepBuilder:
             for layer in range(shape.num_layers):
                 cache = data.caches[layer % len(data.caches)]
                 if case.writes:
-                    flashinfer.page.append_paged_kv_cache(
-                        data.keys[layer].to(kv_type), data.values[layer].to(kv_type), batch_indices, positions,
-                        cache, indices, indptr, last_page_len, kv_layout="NHD")
+                    write(cache, data.keys[layer], data.values[layer])
                 wrapper.run(data.queries[layer], cache, out=data.outs[layer])
 
-        info = {"flashinfer": getattr(flashinfer, "__version__", None)}
+        info = {"flashinfer": getattr(flashinfer, "__version__", None), "write": writer}
         if not case.graphed:
             def eager_step(data: _InputSet) -> None:
                 plan()
@@ -332,3 +330,44 @@ class StepBuilder:
             return [functools.partial(eager_step, data) for data in sets], info
         plan()
         return [self._graph(functools.partial(layers_of, data)) for data in sets], info
+
+    def _flashinfer_writer(self, flashinfer, shape: StepShape, kv_type, meta: StepMetadata, page_metadata: tuple,
+                           probe: _InputSet) -> tuple[Callable, str]:
+        """The step's write of each sequence's new token into FlashInfer's pages, and what
+        it is: FlashInfer's append_paged_kv_cache, or, for a head size its page module
+        does not take (d = 96), torch's index_put_ into the same pages (the write an
+        engine serving such a model brings). The probe is one append, into the first
+        input set's first cache, of the token the step writes there anyway."""
+        torch = self.torch
+        S = shape.num_seqs
+        indices, indptr, last_page_len = page_metadata
+        batch_indices = torch.arange(S, dtype=torch.int32, device="cuda")
+        positions = torch.full((S,), shape.seq_len - 1, dtype=torch.int32, device="cuda")
+
+        def append(cache, keys, values) -> None:
+            flashinfer.page.append_paged_kv_cache(keys.to(kv_type), values.to(kv_type), batch_indices, positions,
+                                                  cache, indices, indptr, last_page_len, kv_layout="NHD")
+
+        try:
+            append(probe.caches[0], probe.keys[0], probe.values[0])
+        except RuntimeError as error:   # raised as it dispatches, before any launch
+            write = page_token_writer(torch, kv_type, meta.block_table, shape.seq_len - 1, "cuda")
+            return write, f"torch index_put_ (append_paged_kv_cache: {_error_text(error)})"
+        return append, "flashinfer append_paged_kv_cache"
+
+
+def page_token_writer(torch, kv_type, block_table: np.ndarray, position: int, device: str) -> Callable:
+    """write(cache, keys, values): each sequence's K and V [S, Hk, d] at token `position`
+    into FlashInfer's NHD pages [blocks, 2, BLOCK_SIZE, Hk, d] of dtype kv_type, by torch
+    indexing through block_table, on the values' bits (index_put_ takes every integer
+    dtype, not every float8 one)."""
+    pages = torch.from_numpy(block_table[:, position // BLOCK_SIZE].astype(np.int64)).to(device)
+    offset = position % BLOCK_SIZE
+    bits = {1: torch.uint8, 2: torch.int16}[torch.empty((), dtype=kv_type).element_size()]
+
+    def write(cache, keys, values) -> None:
+        raw = cache.view(bits)
+        raw[pages, 0, offset] = keys.to(kv_type).view(bits)
+        raw[pages, 1, offset] = values.to(kv_type).view(bits)
+
+    return write

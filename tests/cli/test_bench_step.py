@@ -24,7 +24,7 @@ from kvcupy.bench import accounting
 from kvcupy.bench import run as bench_run
 from kvcupy.bench import shapes
 from kvcupy.bench import step as bench_step
-from kvcupy.bench.shapes import LLAMA_3_8B, PHI_3_MINI, Case, Group, StepShape
+from kvcupy.bench.shapes import BLOCK_SIZE, LLAMA_3_8B, PHI_3_MINI, Case, Group, StepShape
 from kvcupy.bench.tables import tables
 
 from .test_bench_cuda import runs_on_fake_cuda
@@ -477,6 +477,29 @@ def test_a_storages_arrays_are_unreferenced_when_it_ends():
     config = bench_run.make_config("all", "step", ("int4_per_token_head",), True, repeats=2, rounds=1)
     bench_run.run_bench(config, fake, lambda text: None, lambda text: None)
     assert fake.held and fake.alive_at_end and set(fake.alive_at_end) == {0}
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+def test_the_torch_page_write_puts_each_sequences_token_in_its_page(kv):
+    """FlashInfer's write for head sizes its append lacks: token `position` of each
+    sequence lands in its page's slot (K in half 0, V in half 1), bit for bit as
+    kv_type converts it, and nothing else changes."""
+    torch = pytest.importorskip("torch")
+    kv_type = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
+    S, Hk, d, seq_len = 3, 2, 96, 40
+    pages = -(-seq_len // BLOCK_SIZE)
+    table = np.random.default_rng(1).permutation(S * pages).astype(np.int32).reshape(S, pages)
+    cache = torch.zeros((S * pages, 2, BLOCK_SIZE, Hk, d)).to(kv_type)
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(S, Hk, d, generator=generator, dtype=torch.bfloat16) for _ in range(2))
+    position = seq_len - 1
+    bench_step.page_token_writer(torch, kv_type, table, position, "cpu")(cache, keys, values)
+    expected = torch.zeros((S * pages, 2, BLOCK_SIZE, Hk, d)).to(kv_type)
+    for seq in range(S):
+        page, slot = table[seq, position // BLOCK_SIZE], position % BLOCK_SIZE
+        expected[page, 0, slot], expected[page, 1, slot] = keys[seq].to(kv_type), values[seq].to(kv_type)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    assert cache.view(torch.uint8).count_nonzero() > 0
 
 
 class _FakeGraphTorch:
