@@ -1,89 +1,116 @@
 #!/usr/bin/env bash
-# Everything a GPU is needed for, in one call, from the source tree:
-#   the GPU tests (tools/gpu_tests.py: parallel parts sharing the GPU),
-#   compute-sanitizer memcheck on a subset (decode and prefill over shuffled pages,
-#   and the HIP kernels, MFMA attention included, through the wave64 and MFMA emulations),
-#   the bench of every group (JSON, for docs/measurements/<gpu>.json), the host's
-#   cost a call (tools/host_overhead.py, SDPA's beside), the step group, and
-#   transformers' caches beside kvcupy's (examples/transformers_generate.py).
-# Logs and JSON go to $1 (default: the folder the environment variable OUT names,
+# Everything a GPU is needed for, from the source tree, in stages:
+#   tests         the GPU tests (tools/gpu_tests.py: GPU_TEST_PARTS parallel parts, default 24,
+#                 sharing the GPU); tests:K-L runs parts K to L only
+#   memcheck      compute-sanitizer memcheck on a subset: decode and prefill over shuffled
+#                 pages, and the HIP kernels, MFMA attention included, through the wave64 and
+#                 MFMA emulations
+#   bench         the bench of every default group (JSON, for docs/measurements/<gpu>.json)
+#   host          the host's cost a call (tools/host_overhead.py, SDPA's beside)
+#   step          the step group; FLASHINFER_BUNDLE=PATH (a tarball from
+#                 tools/flashinfer_bundle.py) gives it FlashInfer's rows on a machine without
+#                 network access or nvcc
+#   transformers  transformers' caches beside kvcupy's (examples/transformers_generate.py)
+#   quick         the long-context error tests and the decode bench group alone
+# Logs and JSON go to OUTPUT_DIR (default: the folder the environment variable OUT names,
 # else ./gpu-check).
 #
-#   tools/gpu_check.sh [OUTPUT_DIR] [--quick | --tests K-L | --no-tests]
+#   tools/gpu_check.sh [OUTPUT_DIR] [STAGE,STAGE,...]    (default: every stage but quick)
 #
-# --quick: the long-context error tests and the decode bench group only.
-# FLASHINFER_BUNDLE=PATH: a tarball from tools/flashinfer_bundle.py, unpacked for the
-#   step bench's FlashInfer rows (a machine without network access or nvcc).
-# The tests run verbose: a part stopped by its time limit still names its failures.
-# --tests K-L: only parts K to L of the GPU tests (of GPU_TEST_PARTS, default 24), nothing
-#   else: the whole suite takes longer than one command may run, so it goes as
-#   --tests 0-11, then --tests 12-23, then --no-tests (memcheck and the benches).
+# Where one command may run ten minutes, the whole goes in four: tests:0-11, tests:12-23,
+# memcheck,bench,host, then step,transformers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 results=${1:-${OUT:-gpu-check}}
-quick=${2:-}
-mkdir -p "$results"
+stages=${2:-tests,memcheck,bench,host,step,transformers}
 export PYTHONPATH=.
 export KVCUPY_CACHE_DIR=${KVCUPY_CACHE_DIR:-/tmp/kvcupy-cache}
 status=0
 
+known="tests memcheck bench host step transformers quick"
+for stage in ${stages//,/ }; do
+    if [[ " $known " != *" ${stage%%:*} "* ]]; then
+        echo "unknown stage '$stage' (stages: ${known// /, }; tests:K-L for some parts)" >&2
+        exit 2
+    fi
+done
+mkdir -p "$results"
 nvidia-smi -L | tee "$results/gpu.txt"
 
-if [ "$quick" = "--quick" ]; then
-    python3 -m pytest -q -m gpu tests/gpu/test_long_context_error.py >"$results/long-context.log" 2>&1 || status=1
-    tail -3 "$results/long-context.log"
-    python3 -m cli bench --backend cuda --groups decode --json >"$results/bench.json" 2>"$results/bench.log" || status=1
-    tail -3 "$results/bench.log"
-    exit $status
-fi
+run_tests() {   # $1: the parts to run (K-L), or empty for every part
+    local only=()
+    [ -n "$1" ] && only=(--only "$1")
+    # Verbose: a part stopped by its time limit still names its failures.
+    python3 tools/gpu_tests.py --parts "${GPU_TEST_PARTS:-24}" "${only[@]}" --logs "$results/tests" \
+        --timeout 540 -- -m gpu -v -rfE tests >"$results/tests${1:+-$1}.log" 2>&1 || status=1
+    tail -30 "$results/tests${1:+-$1}.log"
+}
 
-if [ "$quick" = "--tests" ]; then
-    python3 tools/gpu_tests.py --parts "${GPU_TEST_PARTS:-24}" --only "${3:?--tests takes K-L}" \
-        --logs "$results/tests" --timeout 540 -- -m gpu -v -rfE tests >"$results/tests.log" 2>&1 || status=1
-    tail -30 "$results/tests.log"
-    exit $status
-fi
-if [ "$quick" != "--no-tests" ]; then
-    python3 tools/gpu_tests.py --parts 12 --logs "$results/tests" --timeout 420 -- -m gpu -v -rfE tests \
-        >"$results/tests.log" 2>&1 || status=1
-    tail -30 "$results/tests.log"
-fi
+run_memcheck() {
+    if ! command -v compute-sanitizer >/dev/null; then
+        echo "compute-sanitizer not found: memcheck skipped" | tee "$results/memcheck.log"
+        return
+    fi
+    local name selection
+    for name in memcheck memcheck-hip memcheck-hip-attention; do
+        case $name in
+            memcheck) selection=(tests/gpu/test_attention.py -k "out_of_range_ids_never_fault") ;;
+            memcheck-hip) selection=(tests/gpu/test_hip_emulation.py --shard 0/8) ;;
+            memcheck-hip-attention) selection=(tests/gpu/test_hip_attention.py
+                                               -k "out_of_range or window_softcap_sinks or block_sizes_and_gqa") ;;
+        esac
+        compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu "${selection[@]}" \
+            >"$results/$name.log" 2>&1 || status=1
+        tail -3 "$results/$name.log"
+    done
+}
 
-if command -v compute-sanitizer >/dev/null; then
-    compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
-        "tests/gpu/test_attention.py" -k "out_of_range_ids_never_fault" >"$results/memcheck.log" 2>&1 || status=1
-    tail -3 "$results/memcheck.log"
-    compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
-        "tests/gpu/test_hip_emulation.py" --shard 0/8 >"$results/memcheck-hip.log" 2>&1 || status=1
-    tail -3 "$results/memcheck-hip.log"
-    compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
-        "tests/gpu/test_hip_attention.py" -k "out_of_range or window_softcap_sinks or block_sizes_and_gqa" \
-        >"$results/memcheck-hip-attention.log" 2>&1 || status=1
-    tail -3 "$results/memcheck-hip-attention.log"
-else
-    echo "compute-sanitizer not found: memcheck skipped" | tee "$results/memcheck.log"
-fi
+run_step() {
+    local step_env=()
+    if [ -n "${FLASHINFER_BUNDLE:-}" ]; then
+        # The bundle's modules only: a missing one fails by name instead of compiling.
+        mkdir -p /tmp/kvcupy-flashinfer && tar -xJf "$FLASHINFER_BUNDLE" -C /tmp/kvcupy-flashinfer
+        step_env=(PYTHONPATH="/tmp/kvcupy-flashinfer:$PYTHONPATH" FLASHINFER_DISABLE_JIT=1)
+    fi
+    env "${step_env[@]}" python3 -m cli bench --backend cuda --groups step --json \
+        >"$results/step.json" 2>"$results/step.log" || status=1
+    tail -3 "$results/step.log"
+}
 
-python3 -m cli bench --backend cuda --json >"$results/bench.json" 2>"$results/bench.log" || status=1
-tail -5 "$results/bench.log"
-python3 tools/host_overhead.py --frameworks torch,cupy >"$results/host.json" 2>"$results/host.log" || status=1
-cat "$results/host.json"
-step_env=()
-if [ -n "${FLASHINFER_BUNDLE:-}" ]; then
-    # The bundle's modules only: a missing one fails by name instead of compiling.
-    mkdir -p /tmp/kvcupy-flashinfer && tar -xJf "$FLASHINFER_BUNDLE" -C /tmp/kvcupy-flashinfer
-    step_env=(PYTHONPATH="/tmp/kvcupy-flashinfer:$PYTHONPATH" FLASHINFER_DISABLE_JIT=1)
-fi
-env "${step_env[@]}" python3 -m cli bench --backend cuda --groups step --json \
-    >"$results/step.json" 2>"$results/step.log" || status=1
-tail -3 "$results/step.log"
-# Llama-3-8B's geometry, 4 layers of random weights; each batch and prompt length in
-# its own process (needs transformers, and hqq / optimum-quanto for those rows).
-for shape in "1 1024" "1 8192" "16 1024" "16 8192"; do
-    set -- $shape
-    python3 examples/transformers_generate.py --model random:llama-3-8b --layers 4 --batch "$1" \
-        --prompt-len "$2" --new-tokens 256 --repeat 2 --json \
-        --caches dynamic,int4_per_token_head,int8_per_token_head,fp8_per_token_head,hqq:4,quanto:4 \
-        >"$results/transformers-b$1-p$2.json" 2>>"$results/transformers.log" || status=1
+run_transformers() {
+    # Llama-3-8B's geometry, 4 layers of random weights; each batch and prompt length in
+    # its own process (needs transformers, and hqq / optimum-quanto for those rows).
+    local shape
+    for shape in "1 1024" "1 8192" "16 1024" "16 8192"; do
+        set -- $shape
+        python3 examples/transformers_generate.py --model random:llama-3-8b --layers 4 --batch "$1" \
+            --prompt-len "$2" --new-tokens 256 --repeat 2 --json \
+            --caches dynamic,int4_per_token_head,int8_per_token_head,fp8_per_token_head,hqq:4,quanto:4 \
+            >"$results/transformers-b$1-p$2.json" 2>>"$results/transformers.log" || status=1
+    done
+}
+
+for stage in ${stages//,/ }; do
+    case $stage in
+        tests) run_tests "" ;;
+        tests:*) run_tests "${stage#tests:}" ;;
+        memcheck) run_memcheck ;;
+        bench)
+            python3 -m cli bench --backend cuda --json >"$results/bench.json" 2>"$results/bench.log" || status=1
+            tail -5 "$results/bench.log" ;;
+        host)
+            python3 tools/host_overhead.py --frameworks torch,cupy >"$results/host.json" 2>"$results/host.log" \
+                || status=1
+            cat "$results/host.json" ;;
+        step) run_step ;;
+        transformers) run_transformers ;;
+        quick)
+            python3 -m pytest -q -m gpu tests/gpu/test_long_context_error.py >"$results/long-context.log" 2>&1 \
+                || status=1
+            tail -3 "$results/long-context.log"
+            python3 -m cli bench --backend cuda --groups decode --json >"$results/bench-decode.json" \
+                2>"$results/bench-decode.log" || status=1
+            tail -3 "$results/bench-decode.log" ;;
+    esac
 done
 exit $status
