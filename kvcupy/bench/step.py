@@ -363,7 +363,7 @@ def page_token_writer(torch, kv_type, block_table: np.ndarray, position: int, de
     dtype, not every float8 one)."""
     pages = torch.from_numpy(block_table[:, position // BLOCK_SIZE].astype(np.int64)).to(device)
     offset = position % BLOCK_SIZE
-    bits = {1: torch.uint8, 2: torch.int16}[torch.empty((), dtype=kv_type).element_size()]
+    bits = {1: torch.uint8, 2: torch.int16}[kv_type.itemsize]
 
     def write(cache, keys, values) -> None:
         raw = cache.view(bits)
