@@ -64,7 +64,10 @@ def sources_and_options(variant: dict):
 
 
 def tuning_of(variant: dict) -> Tuning:
-    return replace(DEFAULT_TUNING, **variant.get("tuning", {}))
+    """The variant's tunables; JSON lists become the tuples Tuning's fields hold."""
+    fields = {name: tuple(value) if isinstance(value, list) else value
+              for name, value in variant.get("tuning", {}).items()}
+    return replace(DEFAULT_TUNING, **fields)
 
 
 def decode_case(kv_dtype: str, shape: dict, rng) -> dict:
