@@ -231,9 +231,11 @@ struct Prefill : PrefillTraits<KV, HEAD_PAD, WARPS, TILE, STAGES, CHUNK, WGMMA, 
         bulk_copy(target + part_offset, source + part_offset, part_bytes, query_barrier);
       }
     }
+    // The stager index from unsigned arithmetic: the signed form lets NVRTC turn
+    // the staging's index tests into tests of threadIdx.x, which spills in the
+    // int8 and fp8 producer builds.
     typename Staging::Keys keys{table, kv_head, key_lo, key_hi, block_shift, num_tiles,
-                                PRODUCER ? static_cast<int>(threadIdx.x) - kConsumerThreads
-                                         : static_cast<int>(threadIdx.x)};
+                                static_cast<int>(PRODUCER ? threadIdx.x - kConsumerThreads : threadIdx.x)};
     if (!PRODUCER || producer) {
       keys.window = Pages::first_window(p, table, key_lo, key_hi, block_shift);
 #pragma unroll
