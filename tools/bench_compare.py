@@ -1,9 +1,12 @@
-"""Two bench JSONs side by side: each kvcupy case's median time, new against old.
+"""Bench JSONs side by side: each kvcupy case's median time, new against old.
 
-    python3 tools/bench_compare.py OLD.json NEW.json [--tolerance 0.03]
+    python3 tools/bench_compare.py OLD.json NEW.json [OLD.json NEW.json ...] [--tolerance 0.03]
 
-Both files are `kvcupy bench --backend cuda --json` output, e.g. an older
+Every file is `kvcupy bench --backend cuda --json` output, e.g. an older
 checkout's bench and this one's, run one after the other on the same GPU.
+Given several pairs, each side's time of a case is the mean over its runs: runs
+in the order old, new, new, old (tools/gpu_check.sh's compare stage) cancel
+a GPU's steady drift between them.
 Cases are matched by group label and case name; only kvcupy's own cases are
 compared (the peers, SDPA and the copy, are the same code on both sides and
 show how much the GPU itself drifted between the runs). Prints one line a
@@ -41,6 +44,29 @@ def peer_drift(old: dict, new: dict) -> list[float]:
     return ratios
 
 
+def combined(reports: list[dict]) -> dict:
+    """One report of the cases that ran in every one of `reports`, each with the mean
+    of their median times (a single report comes back as it is)."""
+    if len(reports) == 1:
+        return reports[0]
+    groups = []
+    for group in reports[0].get("groups", []):
+        twins = [next((g for g in r.get("groups", []) if g.get("label") == group.get("label")), None)
+                 for r in reports[1:]]
+        if any(twin is None for twin in twins):
+            continue
+        cases = []
+        for case in group.get("cases", []):
+            times = [case.get("median_ms") if case.get("status", "ok") == "ok" else None]
+            for twin in twins:
+                match = next((c for c in twin["cases"] if c["name"] == case["name"]), {})
+                times.append(match.get("median_ms") if match.get("status", "ok") == "ok" else None)
+            if all(times):
+                cases.append({**case, "median_ms": sum(times) / len(times)})
+        groups.append({"label": group["label"], "cases": cases})
+    return {"groups": groups}
+
+
 def compare(old: dict, new: dict, tolerance: float) -> tuple[list[str], bool]:
     """Lines of the comparison and whether every common kvcupy case is within tolerance."""
     before, after = kvcupy_cases(old), kvcupy_cases(new)
@@ -61,12 +87,16 @@ def compare(old: dict, new: dict, tolerance: float) -> tuple[list[str], bool]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("old")
-    parser.add_argument("new")
+    parser.add_argument("reports", nargs="+", metavar="OLD.json NEW.json", help="pairs of bench reports")
     parser.add_argument("--tolerance", type=float, default=0.03)
     options = parser.parse_args()
-    with open(options.old) as old_file, open(options.new) as new_file:
-        lines, within = compare(json.load(old_file), json.load(new_file), options.tolerance)
+    if len(options.reports) % 2:
+        parser.error(f"{len(options.reports)} reports given: they come in pairs, OLD.json NEW.json")
+    loaded = []
+    for path in options.reports:
+        with open(path) as report:
+            loaded.append(json.load(report))
+    lines, within = compare(combined(loaded[0::2]), combined(loaded[1::2]), options.tolerance)
     print("\n".join(lines))
     sys.exit(0 if within else 1)
 

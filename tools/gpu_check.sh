@@ -12,10 +12,14 @@
 #                 network access or nvcc
 #   transformers  transformers' caches beside kvcupy's (examples/transformers_generate.py)
 #   quick         the long-context error tests and the decode bench group alone
+#   compare       the bench of another checkout (the folder BASELINE names, e.g. from
+#                 `git archive REV | tar -x -C DIR`) and of this one, in the order this,
+#                 baseline, baseline, this, after both have compiled their kernels side by
+#                 side; tools/bench_compare.py then compares each kvcupy case's mean time
 # Logs and JSON go to OUTPUT_DIR (default: the folder the environment variable OUT names,
 # else ./gpu-check).
 #
-#   tools/gpu_check.sh [OUTPUT_DIR] [STAGE,STAGE,...]    (default: every stage but quick)
+#   tools/gpu_check.sh [OUTPUT_DIR] [STAGE,STAGE,...]    (default: every stage but quick and compare)
 #
 # Where one command may run ten minutes, the whole goes in four: tests:0-11, tests:12-23,
 # memcheck,bench,host, then step,transformers.
@@ -27,10 +31,14 @@ export PYTHONPATH=.
 export KVCUPY_CACHE_DIR=${KVCUPY_CACHE_DIR:-/tmp/kvcupy-cache}
 status=0
 
-known="tests memcheck bench host step transformers quick"
+known="tests memcheck bench host step transformers quick compare"
 for stage in ${stages//,/ }; do
     if [[ " $known " != *" ${stage%%:*} "* ]]; then
         echo "unknown stage '$stage' (stages: ${known// /, }; tests:K-L for some parts)" >&2
+        exit 2
+    fi
+    if [ "$stage" = compare ] && [ ! -f "${BASELINE:-}/cli/__main__.py" ]; then
+        echo "the compare stage needs BASELINE: a folder holding another kvcupy checkout (BASELINE='${BASELINE:-}')" >&2
         exit 2
     fi
 done
@@ -90,6 +98,25 @@ run_transformers() {
     done
 }
 
+run_compare() {
+    local baseline side run quick=(--rounds 1 --repeats 1 --prefill-repeats 1 --warmup 0)
+    baseline=$(cd "$BASELINE" && pwd)
+    # Compiling is most of a first run: both trees at once, untimed.
+    for side in "$baseline" "$PWD"; do
+        (cd "$side" && PYTHONPATH=. python3 -m cli bench --backend cuda --json "${quick[@]}" >/dev/null \
+            2>>"$results/compare.log") &
+    done
+    wait
+    for run in this-1 baseline-1 baseline-2 this-2; do
+        side=$PWD
+        [[ $run == baseline-* ]] && side=$baseline
+        (cd "$side" && PYTHONPATH=. python3 -m cli bench --backend cuda --json >"$results/compare-$run.json" \
+            2>>"$results/compare.log") || status=1
+    done
+    python3 tools/bench_compare.py "$results/compare-baseline-1.json" "$results/compare-this-1.json" \
+        "$results/compare-baseline-2.json" "$results/compare-this-2.json" | tee "$results/compare.txt" || status=1
+}
+
 for stage in ${stages//,/ }; do
     case $stage in
         tests) run_tests "" ;;
@@ -111,6 +138,7 @@ for stage in ${stages//,/ }; do
             python3 -m cli bench --backend cuda --groups decode --json >"$results/bench-decode.json" \
                 2>"$results/bench-decode.log" || status=1
             tail -3 "$results/bench-decode.log" ;;
+        compare) run_compare ;;
     esac
 done
 exit $status
