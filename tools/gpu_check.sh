@@ -43,6 +43,7 @@ for stage in ${stages//,/ }; do
     fi
 done
 mkdir -p "$results"
+results=$(cd "$results" && pwd)   # (the compare stage writes from the other checkout's folder too)
 nvidia-smi -L | tee "$results/gpu.txt"
 
 run_tests() {   # $1: the parts to run (K-L), or empty for every part
