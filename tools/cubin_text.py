@@ -14,6 +14,10 @@ kernels_cu | tar -x -C DIR` to get a commit's sources into DIR/kernels_cu.) The
 builds are the ones this checkout's launcher lists: a define the old sources do not
 know is ignored there, so a build that is new in this checkout compares with
 whatever the old sources make of its defines.
+
+A build that spills to local memory under either folder also shows ptxas's
+spill bytes, old -> new (`spills 108 -> 0`): a change that leaves a kernel's
+meaning alone can still cost registers, and a spill in a tile loop costs time.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ def text_sections(cubin: bytes) -> dict[str, str]:
     return found
 
 
-def compiled_code(folder: str, specs, arch: str, only: str = "") -> dict[str, dict | str]:
-    """Per specialisation (entry and defines), its .text hashes or why it did not build."""
+def compiled_code(folder: str, specs, arch: str, only: str = "") -> dict[str, tuple[dict, int] | str]:
+    """Per specialisation (entry and defines), its .text hashes and spill bytes (ptxas's
+    stores and loads, over its kernels), or why it did not build."""
     saved = os.environ.get(jit.SOURCE_DIR_ENV)
     os.environ[jit.SOURCE_DIR_ENV] = folder
     code = {}
@@ -59,7 +64,7 @@ def compiled_code(folder: str, specs, arch: str, only: str = "") -> dict[str, di
                 continue
             try:
                 result = jit.compile_entry(spec.entry, spec.defines, target)
-                code[key] = text_sections(Path(result.path).read_bytes())
+                code[key] = text_sections(Path(result.path).read_bytes()), sum(result.spills.values())
             except jit.CompileError as error:
                 code[key] = f"does not build: {str(error).splitlines()[0]}"
     finally:
@@ -68,6 +73,25 @@ def compiled_code(folder: str, specs, arch: str, only: str = "") -> dict[str, di
         else:
             os.environ[jit.SOURCE_DIR_ENV] = saved
     return code
+
+
+def comparison(old: dict, new: dict) -> list[str]:
+    """A line a build (compiled_code's results under each folder): same, differs, new,
+    gone or unbuilt (each side's error below it), with the spill bytes where any."""
+    lines = []
+    for key in sorted(old.keys() | new.keys()):
+        before, after = old.get(key), new.get(key)
+        if before is None or after is None:
+            verdict = "new" if before is None else "gone"
+        elif isinstance(before, str) or isinstance(after, str):
+            verdict = "unbuilt"   # (a source that does not compile here: its error, below)
+        else:
+            verdict = "same" if before[0] == after[0] else "differs"
+        spills = [side[1] for side in (before, after) if isinstance(side, tuple)]
+        shown = f"  spills {' -> '.join(map(str, spills))}" if any(spills) else ""
+        lines.append(f"{verdict:8} {key}{shown}")
+        lines += [f"         {side}" for side in (before, after) if isinstance(side, str)]
+    return lines
 
 
 def main() -> None:
@@ -80,18 +104,7 @@ def main() -> None:
     options = parser.parse_args()
     specs = cuda_specs.specialisations(all=options.all)
     old, new = (compiled_code(folder, specs, options.arch, options.only) for folder in (options.old, options.new))
-    for key in sorted(old.keys() | new.keys()):
-        before, after = old.get(key), new.get(key)
-        if before is None or after is None:
-            verdict = "new" if before is None else "gone"
-        elif isinstance(before, str) or isinstance(after, str):
-            verdict = "unbuilt"   # (a source that does not compile here: its error, below)
-        else:
-            verdict = "same" if before == after else "differs"
-        print(f"{verdict:8} {key}")
-        for side in (before, after):
-            if isinstance(side, str):
-                print(f"         {side}")
+    print("\n".join(comparison(old, new)))
 
 
 if __name__ == "__main__":
